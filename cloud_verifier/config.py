@@ -1,0 +1,40 @@
+"""Verifier configuration: parsed once (command line or test), frozen, passed down."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+def key_digest(api_key: str) -> str:
+    """API keys are kept and compared only as digests."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Largest K accepted per round.
+    max_draft_len: int = 16
+    # Cap on committed length; None means the target's max_position_embeddings.
+    max_context: int | None = None
+    max_sessions: int = 64
+    # A session idle for this long is closed and its KV cache freed.
+    session_ttl_s: float = 300.0
+    # Seconds in-flight calls get to finish on shutdown.
+    grace_s: float = 5.0
+    # sha256 digests of accepted API keys; empty means no authentication.
+    api_key_digests: frozenset[str] = field(default_factory=frozenset)
+    # Prometheus HTTP port; None disables the endpoint.
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_draft_len <= 256:
+            raise ValueError(f"max_draft_len must be in [0, 256], got {self.max_draft_len}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")

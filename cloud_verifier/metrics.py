@@ -1,0 +1,41 @@
+"""Prometheus metrics of one verifier. Names follow Prometheus conventions and, where vLLM
+exposes the same quantity (spec_decode_num_*_tokens_total), the same spirit."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+                    2.5, 5.0)
+
+
+class VerifierMetrics:
+    """Owns its registry, so that several verifiers (tests) can live in one process."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter("edgespec_verify_rounds", "Verification rounds applied.",
+                              registry=r)
+        self.draft_tokens = Counter("edgespec_spec_decode_num_draft_tokens",
+                                    "Draft tokens received for verification.", registry=r)
+        self.accepted_tokens = Counter("edgespec_spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted.", registry=r)
+        self.emitted_tokens = Counter("edgespec_spec_decode_num_emitted_tokens",
+                                      "Tokens committed (accepted plus correction/bonus).",
+                                      registry=r)
+        self.target_forwards = Counter("edgespec_target_forwards",
+                                       "Target model forward passes.", registry=r)
+        self.rejected_requests = Counter("edgespec_rejected_requests",
+                                         "Requests answered with an error, by status code.",
+                                         ["code"], registry=r)
+        self.active_sessions = Gauge("edgespec_active_sessions", "Open sessions.", registry=r)
+        self.queue_seconds = Histogram("edgespec_verify_queue_seconds",
+                                       "Time a round waited for the model.",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.forward_seconds = Histogram("edgespec_verify_forward_seconds",
+                                         "Target forward time of a round.",
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

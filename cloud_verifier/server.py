@@ -1,0 +1,188 @@
+"""The verifier process: gRPC server with health and reflection, graceful shutdown, CLI.
+
+Shutdown is graceful: health turns NOT_SERVING, new sessions get UNAVAILABLE, and in-flight
+calls get ``grace_s`` seconds through ``server.stop(grace)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.engine import VerifierEngine
+from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.service import ModelInfo, VerifierService
+from cloud_verifier.target_model import LoadedTarget, load_target
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+# Drafts carry sparse q, so requests stay small; this bounds what one call may cost to parse.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class VerifierServer:
+    """A running verifier bound to one loaded target."""
+
+    def __init__(self, target: LoadedTarget, config: VerifierConfig) -> None:
+        max_context = min(config.max_context or target.max_context, target.max_context)
+        self.config = config
+        self.metrics = VerifierMetrics()
+        self.service = VerifierService(
+            VerifierEngine(target.model, target.vocab_size, max_context), config,
+            ModelInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
+                      tuple(target.eos_token_ids)),
+            self.metrics)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ])
+        pb_grpc.add_VerifierServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            self.metrics.serve_http(self.config.metrics_port, self.config.host)
+        self._sweeper = asyncio.ensure_future(
+            self.service.expire_forever(min(30.0, self.config.session_ttl_s / 4)))
+        self._server = server
+        log.info("verifier serving %s on %s:%d", self.service.info.name, self.config.host,
+                 self.port)
+        return self.port
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def begin_drain(self) -> None:
+        """Stop taking new sessions and tell health checkers; running sessions go on."""
+        self.service.draining = True
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.begin_drain()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        log.info("verifier stopped")
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+class EmbeddedVerifier:
+    """A verifier on a loopback port, in a background thread with its own event loop.
+
+    Used by ``edge-client generate --embedded`` and by tests::
+
+        with EmbeddedVerifier(target) as verifier:
+            client = EdgeClient(verifier.address, ...)
+    """
+
+    def __init__(self, target: LoadedTarget, config: VerifierConfig | None = None) -> None:
+        self.server = VerifierServer(target, config or VerifierConfig(port=0))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="verifier",
+                                        daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.server.config.host}:{self.server.port}"
+
+    def call(self, coro):
+        """Runs a coroutine on the server's loop and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> EmbeddedVerifier:
+        self._thread.start()
+        self.call(self.server.start())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.call(self.server.stop(0.5))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, VerifierConfig]:
+    p = argparse.ArgumentParser(prog="edgespec-verifier",
+                                description="Cloud verifier for edge speculative decoding.")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face causal-LM checkpoint (default: SmolLM2-135M-Instruct "
+                        "prepared by edgespec-prepare)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda when supported, float32 on cpu")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--max-draft-len", type=int, default=16)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
+    p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="file with one API key per line; enables authentication")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    digests: frozenset[str] = frozenset()
+    if args.api_keys_file is not None:
+        keys = [k.strip() for k in args.api_keys_file.read_text().splitlines() if k.strip()]
+        if not keys:
+            p.error(f"{args.api_keys_file} holds no API keys")
+        digests = frozenset(key_digest(k) for k in keys)
+    config = VerifierConfig(
+        host=args.host, port=args.port, max_draft_len=args.max_draft_len,
+        max_context=args.max_context, max_sessions=args.max_sessions,
+        session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
+        metrics_port=args.metrics_port)
+    return args, config
+
+
+async def _serve(server: VerifierServer) -> None:
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: draining")
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    asyncio.run(_serve(VerifierServer(target, config)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

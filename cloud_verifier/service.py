@@ -1,0 +1,279 @@
+"""The gRPC Verifier service: authenticate, validate, run the round, convert the reply.
+
+Protobuf stops here: handlers turn requests into domain objects (cloud_verifier.wire), run
+them against the session store and the engine, and turn the result back. Every domain error
+becomes a status code with the error's message; anything unexpected becomes INTERNAL and
+closes only the session it happened in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.errors import (ContextTooLong, Draining, InvalidRequest, RoundOutOfOrder,
+                                   SessionNotFound, TooManySessions, Unauthenticated,
+                                   VerifierError)
+from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.sessions import RoundResult, Session, SessionStore, short_id
+from cloud_verifier.wire import (Limits, draft_digest, parse_draft, parse_open,
+                                 parse_session_id, result_to_pb)
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "edgespec.v1"
+
+_STATUS = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    ContextTooLong: grpc.StatusCode.OUT_OF_RANGE,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    RoundOutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
+    TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Draining: grpc.StatusCode.UNAVAILABLE,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+
+
+class _Aborted(Exception):
+    """Carries a status out of a handler body."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _to_status(exc: Exception) -> _Aborted:
+    if isinstance(exc, VerifierError):
+        return _Aborted(_STATUS[type(exc)], str(exc))
+    log.exception("internal error")
+    return _Aborted(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _unary(handler):
+    @functools.wraps(handler)
+    async def wrapper(self: VerifierService, request, context: grpc.aio.ServicerContext):
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            aborted = _to_status(exc)
+        self.metrics.rejected_requests.labels(aborted.code.name).inc()
+        await context.abort(aborted.code, str(aborted))
+    return wrapper
+
+
+class VerifierService(pb_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine, config: VerifierConfig, info: ModelInfo,
+                 metrics: VerifierMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.info = info
+        self.metrics = metrics
+        self.store = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context)
+        self.draining = False
+        # One forward at a time on the model; rounds queue here.
+        self._model_lock = asyncio.Lock()
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    @_unary
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.GetInfoResponse:
+        self._caller(context)
+        return pb.GetInfoResponse(
+            protocol_version=PROTOCOL_VERSION, target_model=self.info.name,
+            vocab_size=self.info.vocab_size,
+            tokenizer_fingerprint=self.info.tokenizer_fingerprint,
+            max_draft_len=self.config.max_draft_len, max_context=self.engine.max_context,
+            modes=["greedy", "sampling"], eos_token_ids=list(self.info.eos_token_ids))
+
+    @_unary
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context) -> pb.OpenSessionResponse:
+        return await self._open(request, self._caller(context), context)
+
+    @_unary
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        return await self._verify(request, self._caller(context), context)
+
+    @_unary
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context) -> pb.CloseSessionResponse:
+        session = self.store.get(parse_session_id(request.session_id), self._caller(context))
+        async with session.lock:
+            self._close(session)
+        return pb.CloseSessionResponse(committed_length=len(session.committed))
+
+    async def Session(self, request_iterator, context):
+        """One session per stream; the stream's end closes the session."""
+        session_id = ""
+        try:
+            owner = self._caller(context)
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if kind == "open":
+                    if session_id:
+                        raise InvalidRequest("this stream already has a session; "
+                                             "send verify messages or open a new stream")
+                    opened = await self._open(request.open, owner, context)
+                    session_id = opened.session_id
+                    yield pb.SessionResponse(opened=opened)
+                elif kind == "verify":
+                    if not session_id:
+                        raise InvalidRequest("the first message on a stream must be open")
+                    verify = request.verify
+                    if verify.session_id and verify.session_id != session_id:
+                        raise InvalidRequest("verify.session_id differs from the stream's "
+                                             "session; leave it empty on a stream")
+                    verify.session_id = session_id
+                    verified = await self._verify(verify, owner, context)
+                    yield pb.SessionResponse(verified=verified)
+                    if verified.result.finished or verify.close:
+                        session_id = ""
+                else:
+                    raise InvalidRequest("empty SessionRequest: set open or verify")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            aborted = _to_status(exc)
+            self.metrics.rejected_requests.labels(aborted.code.name).inc()
+            await context.abort(aborted.code, str(aborted))
+        finally:
+            if session_id:
+                session = self.store.close(session_id)
+                if session is not None:
+                    self.metrics.active_sessions.set(len(self.store))
+
+    # -- shared bodies ----------------------------------------------------------------------
+
+    async def _open(self, request: pb.OpenSessionRequest, owner: str,
+                    context) -> pb.OpenSessionResponse:
+        if self.draining:
+            raise Draining("the verifier is shutting down; open the session on another one")
+        params = parse_open(request, self.limits, frozenset(self.info.eos_token_ids))
+        if params.first_draft is not None:
+            # Fail before creating anything if the first round cannot fit.
+            room = len(params.prompt) + len(params.first_draft.tokens) + 1
+            if room > self.engine.max_context:
+                raise ContextTooLong(f"prompt of {len(params.prompt)} tokens plus "
+                                     f"{len(params.first_draft.tokens)} drafts + 1 exceeds the "
+                                     f"maximum context {self.engine.max_context}")
+        session = self.store.create(owner, params.sampling, params.prompt,
+                                    params.max_new_tokens, params.stop_token_ids)
+        self.metrics.active_sessions.set(len(self.store))
+        reply = pb.OpenSessionResponse(session_id=session.id,
+                                       committed_length=len(session.committed))
+        if params.first_draft is not None:
+            async with session.lock:
+                result = await self._round(session, 0, params.first_draft,
+                                           params.first_draft_digest, False, context)
+            reply.first_round.CopyFrom(result_to_pb(result))
+            reply.committed_length = result.committed_length
+        return reply
+
+    async def _verify(self, request: pb.VerifyRequest, owner: str,
+                      context) -> pb.VerifyResponse:
+        session = self.store.get(parse_session_id(request.session_id), owner)
+        draft = parse_draft(request.draft, self.limits)
+        async with session.lock:
+            result = await self._round(session, request.round, draft,
+                                       draft_digest(request.draft), request.close, context)
+        return pb.VerifyResponse(result=result_to_pb(result))
+
+    async def _round(self, session: Session, round_no: int, draft: DraftRound, digest: bytes,
+                     close: bool, context) -> RoundResult:
+        """Caller holds session.lock."""
+        last = session.last_result
+        if last is not None and round_no == last.round and digest == session.last_draft_digest:
+            # A retried round: the same answer, applied once.
+            return RoundResult(**{**last.__dict__, "target_forwards": 0,
+                                  "queue_ns": 0, "forward_ns": 0})
+        if session.finished:
+            raise SessionNotFound(f"session {short_id(session.id)}... already finished")
+        if round_no != session.next_round:
+            raise RoundOutOfOrder(
+                f"round {round_no} is out of order: the session expects round "
+                f"{session.next_round}" + (" (a retry must resend the same draft)"
+                                           if last is not None and round_no == last.round
+                                           else ""))
+        # Shielded, so that a caller hanging up mid-forward cannot leave the session half
+        # updated or release the model lock while the forward still runs.
+        task = asyncio.ensure_future(self._run_locked(session, round_no, draft, digest, close))
+        return await asyncio.shield(task)
+
+    async def _run_locked(self, session: Session, round_no: int, draft: DraftRound,
+                          digest: bytes, close: bool) -> RoundResult:
+        queued = time.perf_counter_ns()
+        async with self._model_lock:
+            queue_ns = time.perf_counter_ns() - queued
+            try:
+                outcome = await asyncio.to_thread(self.engine.run_round, session, draft)
+            except VerifierError:
+                raise
+            except Exception:
+                log.exception("round %d of session %s failed; closing it", round_no,
+                              short_id(session.id))
+                self._close(session)
+                raise
+        result = RoundResult(
+            round=round_no, num_accepted=outcome.num_accepted, next_token=outcome.next_token,
+            committed_length=len(session.committed), finished=outcome.finished,
+            target_forwards=1, queue_ns=queue_ns, forward_ns=outcome.forward_ns)
+        session.last_result = result
+        session.last_draft_digest = digest
+        session.next_round = round_no + 1
+        self._observe(draft, outcome, queue_ns)
+        if outcome.finished or close:
+            self._close(session)
+        return result
+
+    def _observe(self, draft: DraftRound, outcome, queue_ns: int) -> None:
+        m = self.metrics
+        m.rounds.inc()
+        m.target_forwards.inc()
+        m.draft_tokens.inc(len(draft.tokens))
+        m.accepted_tokens.inc(outcome.num_accepted)
+        m.emitted_tokens.inc(len(outcome.committed))
+        m.queue_seconds.observe(queue_ns / 1e9)
+        m.forward_seconds.observe(outcome.forward_ns / 1e9)
+
+    def _close(self, session: Session) -> None:
+        session.finished = True
+        self.store.close(session.id)
+        self.metrics.active_sessions.set(len(self.store))
+
+    def _caller(self, context) -> str:
+        """The identity sessions are bound to: an API key digest, or 'anonymous'."""
+        digests = self.config.api_key_digests
+        if not digests:
+            return "anonymous"
+        metadata = dict(context.invocation_metadata() or ())
+        header = metadata.get("authorization", "")
+        if not header.startswith("Bearer "):
+            raise Unauthenticated("missing 'authorization: Bearer <api key>' metadata")
+        digest = key_digest(header[len("Bearer "):])
+        if not any(hmac.compare_digest(digest, d) for d in digests):
+            raise Unauthenticated("unknown API key")
+        return digest
+
+    async def expire_forever(self, period_s: float) -> None:
+        """Background sweep that frees idle sessions' KV caches."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.store.expire_idle():
+                self.metrics.active_sessions.set(len(self.store))

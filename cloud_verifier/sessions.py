@@ -1,0 +1,154 @@
+"""Session table: ids, ownership, expiry, and the per-session state a round needs.
+
+A session id is 128 random bits from ``secrets`` and is bound to the identity of the
+caller that opened it; lookups by anyone else read as "not found", so an id reveals nothing
+to a caller that does not own it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cloud_verifier.errors import SessionNotFound, TooManySessions
+from shared.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SESSION_ID_BYTES = 16  # 128 bits
+_SESSION_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def is_well_formed_session_id(session_id: str) -> bool:
+    return bool(_SESSION_ID_RE.match(session_id))
+
+
+def short_id(session_id: str) -> str:
+    """What logs show: enough to correlate, too little to hijack."""
+    return session_id[:8]
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """Outcome of one verification round (the wire's RoundResult, minus protobuf)."""
+
+    round: int
+    num_accepted: int
+    next_token: int
+    committed_length: int
+    finished: bool
+    target_forwards: int
+    queue_ns: int
+    forward_ns: int
+    suggested_draft_len: int = 0
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str
+    sampling: SamplingParams
+    # Prompt plus every committed token. The KV cache covers committed[:cache_len].
+    committed: list[int]
+    prompt_len: int
+    max_new_tokens: int  # 0: limited by max_context only
+    stop_token_ids: frozenset[int]
+    generator: torch.Generator
+    # Target KV cache over committed[:-1] between rounds (None before the first forward).
+    kv_cache: Any = None
+    next_round: int = 0
+    last_result: RoundResult | None = None
+    last_draft_digest: bytes = b""
+    finished: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self.kv_cache is None else int(self.kv_cache.get_seq_length())
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.committed) - self.prompt_len
+
+
+class SessionStore:
+    """Owns every live session; bounded in count and idle time.
+
+    Closed sessions stay readable (without their KV cache) for one TTL in a bounded list, so
+    that a client whose reply to the final round was lost can retry that round and get the
+    same answer.
+    """
+
+    def __init__(self, max_sessions: int, ttl_s: float, clock=time.monotonic) -> None:
+        self._max = max_sessions
+        self._ttl = ttl_s
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._closed: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def create(self, owner: str, sampling: SamplingParams, prompt: list[int],
+               max_new_tokens: int, stop_token_ids: frozenset[int]) -> Session:
+        self.expire_idle()
+        if len(self._sessions) >= self._max:
+            raise TooManySessions(
+                f"the verifier holds its maximum of {self._max} sessions; retry later")
+        session_id = secrets.token_hex(SESSION_ID_BYTES)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(sampling.seed)
+        session = Session(
+            id=session_id, owner=owner, sampling=sampling, committed=list(prompt),
+            prompt_len=len(prompt), max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids, generator=generator, last_used=self._clock())
+        self._sessions[session_id] = session
+        log.info("session %s opened: prompt %d tokens, %s", short_id(session_id), len(prompt),
+                 "greedy" if sampling.is_greedy else "sampling")
+        return session
+
+    def get(self, session_id: str, owner: str) -> Session:
+        """A live session, or a recently closed one (``finished`` is then set)."""
+        session = self._sessions.get(session_id) or self._closed.get(session_id)
+        if session is None or session.owner != owner:
+            raise SessionNotFound(
+                f"session {short_id(session_id)}... is unknown, expired or closed; "
+                "open a new session")
+        if self._clock() - session.last_used > self._ttl:
+            self.close(session_id)
+            raise SessionNotFound(
+                f"session {short_id(session_id)}... expired after {self._ttl:g} s idle; "
+                "open a new session")
+        session.last_used = self._clock()
+        return session
+
+    def close(self, session_id: str) -> Session | None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            session.kv_cache = None  # free the memory now, not at the next GC
+            session.finished = True
+            self._closed[session_id] = session
+            while len(self._closed) > 4 * self._max:
+                self._closed.popitem(last=False)
+            log.info("session %s closed after %d tokens", short_id(session_id),
+                     session.num_generated)
+        return session
+
+    def expire_idle(self) -> int:
+        now = self._clock()
+        stale = [sid for sid, s in self._sessions.items()
+                 if now - s.last_used > self._ttl and not s.lock.locked()]
+        for sid in stale:
+            self.close(sid)
+        while self._closed and now - next(iter(self._closed.values())).last_used > self._ttl:
+            self._closed.popitem(last=False)
+        return len(stale)

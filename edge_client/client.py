@@ -1,0 +1,233 @@
+"""The edge client's Python API: speculative generation against a remote verifier.
+
+    client = EdgeClient("verifier:50051", draft_dir)
+    gen = client.generate("Write a haiku about the sea.", GenerationConfig(max_new_tokens=64))
+    for text in gen.text():
+        print(text, end="", flush=True)
+    print(gen.stats.to_dict())
+
+One round: draft K tokens on the device (recording q), send ids + sparse q, receive the
+number accepted n and the correction/bonus token, commit d_1..d_n + that token, resync the
+draft cache. The first round rides on OpenSession, and the server closes the session itself
+when the generation finishes, so a generation of R rounds costs exactly R round trips.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.draft_model import OnnxDraftModel
+from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
+from edge_client.tokenizer import EdgeTokenizer, TextStream
+from edge_client.transport import StreamRounds, Transport, UnaryRounds, WireStats
+from shared.pb import verifier_pb2 as pb
+
+
+class IncompatibleVerifier(RuntimeError):
+    """The verifier's model does not share this client's tokenizer or vocabulary."""
+
+
+class ProtocolError(RuntimeError):
+    """The verifier's reply is inconsistent with the request."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    draft_len: int = 4
+    max_support: int = 64  # cap on each q's support (see DraftSampling)
+    stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.draft_len < 0:
+            raise ValueError("draft_len must be >= 0")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    round_trips: int = 0
+    target_forwards: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    draft_s: float = 0.0
+    network_s: float = 0.0  # call time minus the server's own queue + forward time
+    verify_s: float = 0.0  # server queue + forward time
+    wall_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["tokens_per_round"] = self.tokens_per_round
+        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
+        return d
+
+
+def _draft_pb(proposal: Proposal) -> pb.Draft:
+    draft = pb.Draft(token_ids=proposal.tokens)
+    for ids, probs in proposal.q or ():
+        draft.q.add(token_ids=ids.tolist(), probs=probs.tolist())
+    return draft
+
+
+class EdgeClient:
+    def __init__(self, address: str, draft_dir: str | Path, api_key: str | None = None,
+                 rtt_ms: float = 0.0, use_stream: bool = True, timeout_s: float = 60.0,
+                 intra_op_threads: int | None = None) -> None:
+        self.tokenizer = EdgeTokenizer(draft_dir)
+        self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
+        self.transport = Transport(address, api_key=api_key, rtt_ms=rtt_ms, timeout_s=timeout_s)
+        self.use_stream = use_stream
+        self.info = self.transport.info()
+        self._check_compatible()
+
+    def _check_compatible(self) -> None:
+        info = self.info
+        if info.tokenizer_fingerprint != self.tokenizer.fingerprint:
+            raise IncompatibleVerifier(
+                f"the verifier at {self.transport.address} serves {info.target_model!r} whose "
+                f"tokenizer ({info.tokenizer_fingerprint[:19]}...) differs from the draft's "
+                f"({self.tokenizer.fingerprint[:19]}...); token ids would mean different text")
+        if info.vocab_size != self.model.vocab_size:
+            raise IncompatibleVerifier(
+                f"the verifier's vocabulary has {info.vocab_size} ids but the draft model "
+                f"outputs {self.model.vocab_size}")
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> EdgeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
+                 chat: bool = True) -> Generation:
+        """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        return Generation(self, ids, config)
+
+
+class Generation:
+    """One generation; iterate it for committed token chunks, or call ``text()``."""
+
+    def __init__(self, client: EdgeClient, prompt_ids: list[int],
+                 config: GenerationConfig) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        self.client = client
+        self.config = config
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids: list[int] = []  # generated so far
+        self.stats = GenerationStats()
+        self.wire = WireStats()
+
+    def text(self) -> Iterator[str]:
+        stream = TextStream(self.client.tokenizer)
+        for chunk in self:
+            piece = stream.push(chunk)
+            if piece:
+                yield piece
+
+    def __iter__(self) -> Iterator[list[int]]:
+        cfg, client, stats = self.config, self.client, self.stats
+        started = time.perf_counter()
+        drafter = ModelDrafter(
+            client.model,
+            DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_support),
+            np.random.default_rng(cfg.seed))
+        rounds = (StreamRounds if client.use_stream else UnaryRounds)(client.transport,
+                                                                       self.wire)
+        committed = list(self.prompt_ids)
+        try:
+            proposal = self._propose(drafter, committed)
+            opened = rounds.open(pb.OpenSessionRequest(
+                prompt_token_ids=committed,
+                sampling=pb.SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k,
+                                           top_p=cfg.top_p, seed=cfg.seed),
+                max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(cfg.stop_token_ids),
+                ignore_eos=cfg.ignore_eos, first_draft=_draft_pb(proposal)))
+            session_id, result = opened.session_id, opened.first_round
+            round_no = 0
+            while True:
+                new = self._apply(committed, proposal, result)
+                self._account(result, len(proposal.tokens), len(new))
+                yield new
+                if result.finished:
+                    break
+                round_no += 1
+                proposal = self._propose(drafter, committed)
+                result = rounds.verify(pb.VerifyRequest(
+                    session_id=session_id, round=round_no, draft=_draft_pb(proposal))).result
+        finally:
+            rounds.end()
+            stats.round_trips = self.wire.round_trips
+            stats.bytes_up, stats.bytes_down = self.wire.bytes_up, self.wire.bytes_down
+            stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
+            stats.wall_s = time.perf_counter() - started
+
+    def _propose(self, drafter: ModelDrafter, committed: list[int]) -> Proposal:
+        cfg = self.config
+        remaining = cfg.max_new_tokens - (len(committed) - len(self.prompt_ids))
+        room = self.client.info.max_context - len(committed) - 1
+        k = max(0, min(cfg.draft_len, self.client.info.max_draft_len, remaining - 1, room))
+        t0 = time.perf_counter()
+        proposal = drafter.propose(committed, k)
+        self.stats.draft_s += time.perf_counter() - t0
+        return proposal
+
+    def _apply(self, committed: list[int], proposal: Proposal, result: pb.RoundResult):
+        k, n = len(proposal.tokens), result.num_accepted
+        if n > k or not 0 <= result.next_token < self.client.info.vocab_size:
+            raise ProtocolError(f"reply accepts {n} of {k} drafts with next token "
+                                f"{result.next_token}")
+        new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
+                                                           - len(committed)]
+        if len(committed) + len(new) != result.committed_length or not new:
+            raise ProtocolError(f"reply says committed length {result.committed_length}, "
+                                f"the client has {len(committed)} + {len(new)}")
+        committed.extend(new)
+        self.token_ids.extend(new)
+        return new
+
+    def _account(self, result: pb.RoundResult, k: int, emitted: int) -> None:
+        s = self.stats
+        s.rounds += 1
+        s.drafted += k
+        s.accepted += result.num_accepted
+        s.new_tokens += emitted
+        s.target_forwards += result.target_forwards
+        s.verify_s += (result.timing.queue_ns + result.timing.forward_ns) / 1e9

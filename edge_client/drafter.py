@@ -1,0 +1,91 @@
+"""The draft loop on the device: propose K tokens with the ONNX draft and record the exact
+sparse q each one was sampled from; keep the draft KV cache in step with what the verifier
+committed.
+
+Cache invariant: the draft cache holds a prefix of ``committed`` plus, right after a
+proposal, the drafts d_1..d_{K-1} (d_K is sampled but never fed). Before every proposal,
+``resync`` crops the cache to the longest prefix it shares with the committed tokens, and
+never past ``committed[:-1]`` because the next draft needs the logits after the last
+committed token. The tokens not yet cached (the correction or bonus token, and after a fully
+accepted round also d_K) are then fed in one forward. That feed of d_K is the step many
+implementations forget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_client.draft_model import OnnxDraftModel
+from edge_client.sampling import sample, truncated_distribution
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # Cap on q's support, so the wire payload stays small whatever the temperature.
+    max_support: int = 64
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: list[int]  # [K]
+    # Per position (ids, probs) of the q sampled from; None for argmax (point-mass) drafts.
+    q: list[tuple[np.ndarray, np.ndarray]] | None
+
+
+class ModelDrafter:
+    def __init__(self, model: OnnxDraftModel, sampling: DraftSampling,
+                 rng: np.random.Generator) -> None:
+        self.model = model
+        self.sampling = sampling
+        self.rng = rng
+        self.cache = model.new_cache()
+        self._fed: list[int] = []  # the tokens whose keys/values the cache holds
+        self.forward_calls = 0
+
+    def resync(self, committed: list[int]) -> int:
+        """Explicit rollback: crop to the prefix shared with ``committed[:-1]``."""
+        limit = min(len(self._fed), len(committed) - 1)
+        keep = 0
+        while keep < limit and self._fed[keep] == committed[keep]:
+            keep += 1
+        if keep < len(self._fed):
+            self.cache.crop(keep)
+            del self._fed[keep:]
+        return keep
+
+    def propose(self, committed: list[int], k: int) -> Proposal:
+        """Drafts k tokens after ``committed`` (k = 0 only resyncs)."""
+        self.resync(committed)
+        if k == 0:
+            return Proposal([], None)
+        logits = self._feed(committed[len(self._fed):])
+        tokens: list[int] = []
+        q: list[tuple[np.ndarray, np.ndarray]] = []
+        s = self.sampling
+        for i in range(k):
+            if s.is_greedy:
+                token = int(np.argmax(logits))
+            else:
+                ids, probs = truncated_distribution(logits, s.temperature, s.top_k, s.top_p,
+                                                    s.max_support)
+                token = sample(ids, probs, self.rng)
+                q.append((ids, probs))
+            tokens.append(token)
+            if i < k - 1:
+                logits = self._feed([token])
+        return Proposal(tokens, None if s.is_greedy else q)
+
+    def _feed(self, tokens: list[int]) -> np.ndarray:
+        logits = self.model.forward(self.cache, tokens)  # [n, V]
+        self._fed.extend(tokens)
+        self.forward_calls += 1
+        return logits[-1]

@@ -1,0 +1,139 @@
+"""The client side of the gRPC protocol: one channel, per-call deadlines, byte and time
+accounting, and an optional injected network delay (to measure a WAN on loopback).
+
+Two ways to carry a session: ``UnaryRounds`` (OpenSession / Verify calls, where a lost
+reply is retried with the same round number and answered idempotently) and
+``StreamRounds`` (one bidirectional Session stream, no per-round call set-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass
+class WireStats:
+    round_trips: int = 0
+    bytes_up: int = 0  # serialized protobuf bytes sent
+    bytes_down: int = 0  # serialized protobuf bytes received
+    call_s: float = 0.0  # wall time inside calls, injected delay included
+
+
+class Transport:
+    def __init__(self, address: str, api_key: str | None = None, rtt_ms: float = 0.0,
+                 timeout_s: float = 60.0, retries: int = 2) -> None:
+        self.address = address
+        self.rtt_s = rtt_ms / 1000.0
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ])
+        self.stub = pb_grpc.VerifierStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout_s,
+                                 metadata=self.metadata)
+
+    def delay(self) -> None:
+        """Half the injected round-trip time; called once each way."""
+        if self.rtt_s:
+            time.sleep(self.rtt_s / 2)
+
+    def unary(self, stats: WireStats, method, request, retry: bool):
+        attempts = 1 + (self.retries if retry else 0)
+        for attempt in range(attempts):
+            t0 = time.perf_counter()
+            self.delay()
+            stats.bytes_up += request.ByteSize()
+            try:
+                reply = method(request, timeout=self.timeout_s, metadata=self.metadata)
+            except grpc.RpcError as err:
+                stats.call_s += time.perf_counter() - t0
+                if err.code() in RETRYABLE and attempt + 1 < attempts:
+                    log.warning("retrying after %s: %s", err.code().name, err.details())
+                    time.sleep(0.05 * 2**attempt)
+                    continue
+                raise
+            self.delay()
+            stats.round_trips += 1
+            stats.bytes_down += reply.ByteSize()
+            stats.call_s += time.perf_counter() - t0
+            return reply
+        raise AssertionError("unreachable")
+
+
+class UnaryRounds:
+    """A session as OpenSession + Verify calls."""
+
+    def __init__(self, transport: Transport, stats: WireStats) -> None:
+        self._t = transport
+        self._stats = stats
+
+    def open(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        # Not retried: a lost reply would leave an orphan session until its TTL.
+        return self._t.unary(self._stats, self._t.stub.OpenSession, request, retry=False)
+
+    def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        return self._t.unary(self._stats, self._t.stub.Verify, request, retry=True)
+
+    def close(self, session_id: str) -> None:
+        self._t.unary(self._stats, self._t.stub.CloseSession,
+                      pb.CloseSessionRequest(session_id=session_id), retry=True)
+
+    def end(self) -> None:
+        pass
+
+
+class StreamRounds:
+    """A session as one bidirectional Session stream."""
+
+    def __init__(self, transport: Transport, stats: WireStats) -> None:
+        self._t = transport
+        self._stats = stats
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies = transport.stub.Session(iter(self._requests.get, None),
+                                               metadata=transport.metadata)
+
+    def _exchange(self, request: pb.SessionRequest) -> pb.SessionResponse:
+        t0 = time.perf_counter()
+        self._t.delay()
+        self._stats.bytes_up += request.ByteSize()
+        self._requests.put(request)
+        reply = next(self._replies)
+        self._t.delay()
+        self._stats.round_trips += 1
+        self._stats.bytes_down += reply.ByteSize()
+        self._stats.call_s += time.perf_counter() - t0
+        return reply
+
+    def open(self, request: pb.OpenSessionRequest) -> pb.OpenSessionResponse:
+        return self._exchange(pb.SessionRequest(open=request)).opened
+
+    def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        return self._exchange(pb.SessionRequest(verify=request)).verified
+
+    def close(self, session_id: str) -> None:
+        self.end()  # ending the request stream closes the session
+
+    def end(self) -> None:
+        self._requests.put(None)
+        self._replies.cancel()

@@ -1,0 +1,27 @@
+"""Where prepared model assets live on disk.
+
+Everything that `edgespec-prepare` builds goes under one cache directory, taken from
+``EDGESPEC_CACHE`` or ``~/.cache/edgespec``. Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TARGET_DIRNAME = "smollm2-135m-instruct"
+DRAFT_DIRNAME = "draft-standin-onnx"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGESPEC_CACHE", Path.home() / ".cache" / "edgespec"))
+
+
+def default_target_dir() -> Path:
+    """The safetensors checkpoint converted once from the SmolLM2 GGUF file."""
+    return cache_dir() / TARGET_DIRNAME
+
+
+def default_draft_dir() -> Path:
+    """The ONNX draft model directory the edge client uses by default."""
+    return cache_dir() / DRAFT_DIRNAME

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for proto/edgespec/v1 (see proto/generate.py)."""

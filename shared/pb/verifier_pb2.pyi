@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MODES_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: str
+    target_model: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_draft_len: int
+    max_context: int
+    modes: _containers.RepeatedScalarFieldContainer[str]
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("token_ids", "q")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "first_draft")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    first_draft: Draft
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ns", "forward_ns")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    forward_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class RoundResult(_message.Message):
+    __slots__ = ("round", "num_accepted", "next_token", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    num_accepted: int
+    next_token: int
+    committed_length: int
+    finished: bool
+    target_forwards: int
+    timing: Timing
+    suggested_draft_len: int
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "committed_length", "first_round")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    committed_length: int
+    first_round: RoundResult
+    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., first_round: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "round", "draft", "close")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    draft: Draft
+    close: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: RoundResult
+    def __init__(self, result: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("committed_length",)
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    committed_length: int
+    def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "verify")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSessionRequest
+    verify: VerifyRequest
+    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("opened", "verified")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    opened: OpenSessionResponse
+    verified: VerifyResponse
+    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., verified: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...

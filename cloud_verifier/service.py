@@ -19,13 +19,26 @@ import grpc
 
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.engine import DraftRound, VerifierEngine
-from cloud_verifier.errors import (ContextTooLong, Draining, InvalidRequest, RoundOutOfOrder,
-                                   SessionNotFound, TooManySessions, Unauthenticated,
-                                   VerifierError)
+from cloud_verifier.errors import (
+    ContextTooLong,
+    Draining,
+    InvalidRequest,
+    RoundOutOfOrder,
+    SessionNotFound,
+    TooManySessions,
+    Unauthenticated,
+    VerifierError,
+)
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sessions import RoundResult, Session, SessionStore, short_id
-from cloud_verifier.wire import (Limits, draft_digest, parse_draft, parse_open,
-                                 parse_session_id, result_to_pb)
+from cloud_verifier.wire import (
+    Limits,
+    draft_digest,
+    parse_draft,
+    parse_open,
+    parse_session_id,
+    result_to_pb,
+)
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 

@@ -77,7 +77,7 @@ def parse_draft(msg: pb.Draft, limits: Limits) -> DraftRound:
         raise InvalidRequest(f"draft.q has {len(msg.q)} entries; it must be empty "
                              f"(point-mass drafts) or one per draft token ({k})")
     q = []
-    for i, (token, dist) in enumerate(zip(tokens, msg.q)):
+    for i, (token, dist) in enumerate(zip(tokens, msg.q, strict=True)):
         q.append(_parse_distribution(dist, token, i, limits.vocab_size))
     return DraftRound(tokens=tokens, q=q)
 

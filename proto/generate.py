@@ -47,7 +47,7 @@ def generate(out: Path) -> None:
             path.replace(target)
             path = target
         text = re.sub(r"^from edgespec\.v1 import (\w+)", r"from . import \1", path.read_text(),
-                      flags=re.M)
+                      flags=re.MULTILINE)
         path.write_text(text)
     shutil.rmtree(out / "edgespec", ignore_errors=True)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 TARGET_DIRNAME = "smollm2-135m-instruct"
 DRAFT_DIRNAME = "draft-standin-onnx"
+DRAFT_PT_DIRNAME = "draft-standin-pt"
 
 
 def cache_dir() -> Path:
@@ -25,3 +26,8 @@ def default_target_dir() -> Path:
 def default_draft_dir() -> Path:
     """The ONNX draft model directory the edge client uses by default."""
     return cache_dir() / DRAFT_DIRNAME
+
+
+def default_draft_pt_dir() -> Path:
+    """The same draft weights as a PyTorch checkpoint (for assisted-generation baselines)."""
+    return cache_dir() / DRAFT_PT_DIRNAME

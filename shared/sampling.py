@@ -1,0 +1,100 @@
+"""Sampling parameters and the target distribution p they define (torch, used by the verifier).
+
+``target_probs`` turns target logits into the distribution the verifier treats as "the target":
+speculative sampling is lossless with respect to exactly this p. The order of operations is
+
+1. temperature: logits / T (T = 0 means greedy, see below);
+2. top-k: keep the k largest logits (k = 0 disables);
+3. top-p (nucleus): keep the smallest set of most probable tokens, taken in descending order,
+   whose cumulative probability reaches top_p, renormalising after top-k first; the most
+   probable token is always kept, and the token that crosses top_p is kept (top_p = 1 disables);
+4. softmax over what is left.
+
+This is the order transformers' ``generate`` applies its temperature, top-k and top-p warpers.
+
+Tie rule, the same everywhere: among equal values the lowest token id wins. Greedy decoding
+returns a one-hot of ``torch.argmax`` (which picks the first maximum); top-k and top-p rank
+tokens with a stable descending sort, so a cut that falls inside a run of equal logits keeps
+the lower ids. transformers differs on ties (its top-k keeps every token equal to the k-th
+logit, and its top-p order among equal probabilities is unspecified); we pin one rule so that
+``edge_client.sampling`` (numpy, on the device) computes exactly the same truncation.
+
+All arithmetic is float32 whatever the input dtype. ``+inf`` logits are clamped to the
+largest float32 (so a row of several ``+inf`` splits evenly among them), ``-inf`` logits get
+probability 0, and logits are shifted by their row maximum before the temperature divides
+them, so huge logits do not overflow. A row with no finite logit, or with a NaN, is rejected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_F32_MAX = torch.finfo(torch.float32).max
+SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is shaped. temperature = 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field that is out of range."""
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits ``[N, V]`` -> float32 probabilities ``[N, V]``, processed as the module says."""
+    params.validate()
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must have shape [N, V] with V > 0, got {tuple(logits.shape)}")
+    x = logits.float().clamp(max=_F32_MAX)  # [N, V]; +inf -> largest float, NaN stays NaN
+    row_max = x.max(dim=1, keepdim=True).values  # [N, 1]; NaN if the row has a NaN
+    if not bool(torch.isfinite(row_max).all()):
+        raise ValueError("every logits row needs a finite maximum: a row is all -inf or has NaN")
+
+    if params.is_greedy:
+        out = torch.zeros_like(x)
+        return out.scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
+
+    # Shift first: every value becomes <= 0 (or -inf), so dividing by a tiny T cannot give NaN.
+    z = (x - row_max) / params.temperature  # [N, V]
+    vocab = z.shape[1]
+    use_top_k = 0 < params.top_k < vocab
+    use_top_p = params.top_p < 1
+    if not (use_top_k or use_top_p):
+        return torch.softmax(z, dim=1)
+
+    sorted_z, order = torch.sort(z, dim=1, descending=True, stable=True)  # [N, V] each
+    if use_top_k:
+        sorted_z[:, params.top_k:] = -math.inf
+    if use_top_p:
+        sorted_p = torch.softmax(sorted_z, dim=1)
+        # Mass strictly before each position; position 0 sees 0 < top_p and is always kept.
+        before = torch.zeros_like(sorted_p)
+        before[:, 1:] = sorted_p.cumsum(dim=1)[:, :-1]
+        sorted_z = sorted_z.masked_fill(before >= params.top_p, -math.inf)
+    sorted_probs = torch.softmax(sorted_z, dim=1)
+    return torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)

@@ -1,0 +1,208 @@
+"""The ONNX draft runtime against PyTorch, its explicit KV cache, and target loading."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.target_model import load_target
+from edge_client.draft_model import DraftKVCache, OnnxDraftModel
+from edge_client.tools.export_draft import export_onnx
+from shared.tokenizer_fingerprint import vocab_fingerprint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_llama_pair, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (ONNX dir, PyTorch dir): the 1-layer draft and the 2-layer target."""
+    target_onnx = export_onnx(
+        tiny_llama_pair.target_dir, tmp_path_factory.mktemp("tiny_target_onnx") / "onnx"
+    )
+    return {
+        "draft": (tiny_llama_pair.draft_dir, tiny_llama_pair.draft_pt_dir),
+        "target": (target_onnx, tiny_llama_pair.target_dir),
+    }
+
+
+@pytest.fixture(scope="module", params=["draft", "target"])
+def pair(request, exported) -> tuple[OnnxDraftModel, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    onnx_dir, pt_dir = exported[request.param]
+    torch_model = AutoModelForCausalLM.from_pretrained(pt_dir, dtype=torch.float32).eval()
+    return OnnxDraftModel(onnx_dir, intra_op_threads=1), torch_model
+
+
+def tokens(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def torch_logits(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float().numpy()  # [n, V]
+
+
+def test_metadata_from_graph(pair, tiny_llama_pair):
+    onnx_model, torch_model = pair
+    assert onnx_model.vocab_size == tiny_llama_pair.vocab_size
+    assert onnx_model.num_layers == torch_model.config.num_hidden_layers
+    assert onnx_model.max_context == 128
+    cache = onnx_model.new_cache()
+    assert cache.length == 0 and cache.num_layers == onnx_model.num_layers
+    assert cache.keys[0].shape == (1, 2, 0, 8) and cache.keys[0].dtype == np.float32
+
+
+def test_full_forward_matches_torch(pair):
+    onnx_model, torch_model = pair
+    ids = tokens(12, onnx_model.vocab_size)
+    cache = onnx_model.new_cache()
+    logits = onnx_model.forward(cache, ids)
+    assert logits.shape == (12, onnx_model.vocab_size) and logits.dtype == np.float32
+    assert cache.length == 12
+    np.testing.assert_allclose(logits, torch_logits(torch_model, ids), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("chunks", [[5, 1, 1, 1, 1, 1, 1, 1], [3, 2, 3, 2, 2], [1] * 12])
+def test_incremental_forward_matches_full(pair, chunks):
+    onnx_model, _ = pair
+    ids = tokens(sum(chunks), onnx_model.vocab_size, seed=1)
+    full = onnx_model.forward(onnx_model.new_cache(), ids)
+
+    cache, rows, start = onnx_model.new_cache(), [], 0
+    for size in chunks:
+        rows.append(onnx_model.forward(cache, ids[start : start + size]))
+        start += size
+        assert cache.length == start
+    np.testing.assert_allclose(np.concatenate(rows), full, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("keep", [0, 4, 7])
+def test_crop_then_refeed_equals_fresh_forward(pair, keep):
+    onnx_model, _ = pair
+    vocab = onnx_model.vocab_size
+    first = tokens(10, vocab, seed=2)
+    replacement = [(t + 1) % vocab for t in first[keep:]][:4]  # differs at every position
+
+    cache = onnx_model.new_cache()
+    onnx_model.forward(cache, first)
+    cache.crop(keep)
+    assert cache.length == keep
+    assert all(k.shape[2] == keep for k in (*cache.keys, *cache.values))
+    rolled_back = onnx_model.forward(cache, replacement)
+
+    fresh = onnx_model.forward(onnx_model.new_cache(), first[:keep] + replacement)
+    np.testing.assert_allclose(rolled_back, fresh[keep:], atol=ATOL, rtol=ATOL)
+    assert cache.length == keep + len(replacement)
+
+
+def test_crop_to_full_length_is_a_no_op(pair):
+    onnx_model, _ = pair
+    cache = onnx_model.new_cache()
+    onnx_model.forward(cache, tokens(3, onnx_model.vocab_size))
+    before = [k.copy() for k in cache.keys]
+    cache.crop(3)
+    assert all(np.array_equal(a, b) for a, b in zip(before, cache.keys, strict=True))
+
+
+@pytest.mark.parametrize("bad", [-1, 6])
+def test_crop_out_of_range_raises(pair, bad):
+    onnx_model, _ = pair
+    cache = onnx_model.new_cache()
+    onnx_model.forward(cache, tokens(5, onnx_model.vocab_size))
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(bad)
+    assert cache.length == 5
+
+
+@pytest.mark.parametrize("bad", [[-1], [3, 96], [10**9]])
+def test_token_id_out_of_range_raises(pair, bad):
+    onnx_model, _ = pair
+    cache = onnx_model.new_cache()
+    with pytest.raises(ValueError, match="out of range"):
+        onnx_model.forward(cache, bad)
+    assert cache.length == 0
+
+
+def test_empty_token_list_raises(pair):
+    onnx_model, _ = pair
+    with pytest.raises(ValueError, match="non-empty"):
+        onnx_model.forward(onnx_model.new_cache(), [])
+
+
+def test_cache_from_another_model_is_rejected(exported):
+    draft = OnnxDraftModel(exported["draft"][0])
+    target = OnnxDraftModel(exported["target"][0])
+    with pytest.raises(ValueError, match="layers"):
+        draft.forward(target.new_cache(), [3])
+
+
+def test_last_position_only_graph_is_fed_one_token_at_a_time(pair, monkeypatch):
+    # Simulate an export whose logits hold only the last position.
+    onnx_model, _ = pair
+    ids = tokens(6, onnx_model.vocab_size, seed=3)
+    full = onnx_model.forward(onnx_model.new_cache(), ids)
+    monkeypatch.setattr(onnx_model, "_last_only", True)
+    calls = []
+    run = onnx_model._run
+    monkeypatch.setattr(onnx_model, "_run", lambda c, x: calls.append(x.size) or run(c, x))
+    cache = onnx_model.new_cache()
+    np.testing.assert_allclose(onnx_model.forward(cache, ids), full, atol=ATOL, rtol=ATOL)
+    assert calls == [1] * 6 and cache.length == 6
+
+
+def test_cache_rejects_mismatched_arrays():
+    k = np.zeros((1, 2, 3, 8), np.float32)
+    with pytest.raises(ValueError):
+        DraftKVCache([k], [np.zeros((1, 2, 4, 8), np.float32)])
+    with pytest.raises(ValueError):
+        DraftKVCache([], [])
+
+
+def test_edge_import_does_not_load_torch():
+    code = (
+        "import sys, edge_client.draft_model\n"
+        "heavy = [m for m in ('torch', 'transformers', 'optimum') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def test_load_target_on_tiny_checkpoint(tiny_llama_pair):
+    from tokenizers import Tokenizer
+
+    loaded = load_target(tiny_llama_pair.target_dir, device="cpu")
+    assert loaded.device == torch.device("cpu")
+    assert loaded.dtype == torch.float32
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert not loaded.model.training
+    assert loaded.vocab_size == tiny_llama_pair.vocab_size
+    assert loaded.max_context == 128
+    assert loaded.eos_token_ids == (2,)
+    assert loaded.name == "target"
+    # The edge hashes the raw tokenizer.json; both sides must agree.
+    edge_vocab = Tokenizer.from_file(str(tiny_llama_pair.target_dir / "tokenizer.json")).get_vocab()
+    assert loaded.tokenizer_fingerprint == vocab_fingerprint(edge_vocab)
+    assert loaded.tokenizer_fingerprint == vocab_fingerprint(
+        Tokenizer.from_file(str(tiny_llama_pair.draft_dir / "tokenizer.json")).get_vocab()
+    )
+
+
+def test_load_target_dtype_override(tiny_llama_pair):
+    loaded = load_target(tiny_llama_pair.target_dir, device="cpu", dtype="bfloat16")
+    assert loaded.dtype == torch.bfloat16
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        load_target(tiny_llama_pair.target_dir, device="cpu", dtype="int3")
+
+
+def test_load_target_default_missing_points_to_prepare(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="edgespec-prepare"):
+        load_target(None, device="cpu")

@@ -1,0 +1,187 @@
+"""The edge client end to end with tiny random models: ONNX draft on the client, verifier on a
+loopback port, real gRPC in between."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.target_model import load_target
+from edge_client.client import EdgeClient, GenerationConfig, IncompatibleVerifier
+from edge_client.draft_model import OnnxDraftModel
+from edge_client.drafter import DraftSampling, ModelDrafter
+from shared.sampling import SamplingParams, target_probs
+
+PROMPT = [1, 17, 42, 5, 63, 8]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_pair):
+    return load_target(tiny_llama_pair.target_dir)
+
+
+@pytest.fixture(scope="module")
+def verifier(target):
+    with EmbeddedVerifier(target, VerifierConfig(port=0, max_sessions=8)) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def client(verifier, tiny_llama_pair):
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
+        yield c
+
+
+def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_edge_runtime_does_not_import_torch():
+    code = ("import sys\n"
+            "import edge_client.cli, edge_client.client, edge_client.drafter, "
+            "edge_client.draft_model, edge_client.sampling, edge_client.tokenizer, "
+            "edge_client.transport\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("draft_len", [1, 4])
+def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, use_stream,
+                                      draft_len):
+    want = hf_greedy(target, PROMPT, 40)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, use_stream=use_stream) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=40, draft_len=draft_len,
+                                                  ignore_eos=True))
+        chunks = list(gen)
+    assert gen.token_ids == want
+    assert [t for chunk in chunks for t in chunk] == want
+    s = gen.stats
+    # The first round rides on OpenSession and the server closes the session itself.
+    assert s.round_trips == s.rounds == s.target_forwards
+    assert s.new_tokens == 40
+    assert 0 <= s.accepted <= s.drafted
+    assert s.bytes_up > 0 and s.bytes_down > 0
+
+
+def test_stop_token_ends_generation(client, target):
+    want = hf_greedy(target, PROMPT, 30)
+    stop = want[5]
+    first = want.index(stop)
+    gen = client.generate(PROMPT, GenerationConfig(max_new_tokens=30, draft_len=3,
+                                                   stop_token_ids=(stop,)))
+    list(gen)
+    assert gen.token_ids == want[:first + 1]
+
+
+def fresh_keys(model: OnnxDraftModel, tokens: list[int]) -> list[np.ndarray]:
+    cache = model.new_cache()
+    model.forward(cache, tokens)
+    return cache.keys
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 4], ids=["none", "one", "all-but-last", "all"])
+def test_draft_cache_resync_matches_a_fresh_cache(tiny_llama_pair, accepted):
+    """After a round with ``accepted`` of 4 drafts, the resynced cache equals one built
+    from scratch over the committed tokens it covers, and the next proposal equals a fresh
+    drafter's."""
+    model = OnnxDraftModel(tiny_llama_pair.draft_dir)
+    drafter = ModelDrafter(model, DraftSampling(), np.random.default_rng(0))
+    proposal = drafter.propose(PROMPT, 4)
+    assert drafter.cache.length == len(PROMPT) + 3  # d_4 is sampled, never fed
+    correction = (proposal.tokens[accepted] + 1) % model.vocab_size if accepted < 4 else 11
+    committed = PROMPT + proposal.tokens[:accepted] + [correction]
+    kept = drafter.resync(committed)
+    assert kept == len(PROMPT) + min(accepted, 3)
+    for got, want in zip(drafter.cache.keys, fresh_keys(model, committed[:kept]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    fresh = ModelDrafter(model, DraftSampling(), np.random.default_rng(0))
+    assert drafter.propose(committed, 3).tokens == fresh.propose(committed, 3).tokens
+
+
+def test_client_refuses_a_verifier_with_another_tokenizer(verifier, tiny_llama_pair, tmp_path):
+    other = tmp_path / "draft"
+    shutil.copytree(tiny_llama_pair.draft_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["t3"], vocab["t4"] = vocab["t4"], vocab["t3"]  # same size, ids mean other text
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(IncompatibleVerifier, match="tokenizer"):
+        EdgeClient(verifier.address, other)
+
+
+def test_sampled_output_follows_the_target_distribution(client, target):
+    """The joint law of the first two generated tokens, through the full gRPC path.
+
+    n = 3000 generations (seeds 0..2999) at temperature 1, top-k 6, K = 2, against the exact
+    target law p(a) p(b | a). Per bin |count - n p| <= 6 sqrt(n p (1 - p)) + 5, and a pair
+    with p = 0 never appears.
+    """
+    n = 3000
+    params = SamplingParams(temperature=1.0, top_k=6)
+    with torch.no_grad():
+        p1 = target_probs(target.model(torch.tensor([PROMPT])).logits[0, -1:], params)[0]
+        firsts = torch.arange(target.vocab_size)
+        batch = torch.cat([torch.tensor([PROMPT]).expand(len(firsts), -1),
+                           firsts[:, None]], dim=1)
+        p2 = target_probs(target.model(batch).logits[:, -1], params)  # [V, V]
+    joint = (p1[:, None] * p2).numpy().astype(np.float64)
+    counts = np.zeros_like(joint)
+    for seed in range(n):
+        gen = client.generate(PROMPT, GenerationConfig(
+            max_new_tokens=2, temperature=1.0, top_k=6, seed=seed, draft_len=2,
+            ignore_eos=True))
+        list(gen)
+        a, b = gen.token_ids
+        counts[a, b] += 1
+    assert counts[joint == 0].sum() == 0, "a pair with target probability 0 appeared"
+    expected = n * joint
+    bound = 6 * np.sqrt(n * joint * (1 - joint)) + 5
+    worst = np.max(np.abs(counts - expected) - bound)
+    assert worst <= 0, f"a bin is off by {worst:.1f} beyond its bound"
+    # The test has power: had the output followed the draft's own law, it would fail.
+    draft_joint = _draft_joint(client.model, PROMPT, temperature=1.0, top_k=6)
+    assert np.max(np.abs(n * draft_joint - expected) - bound) > 0
+
+
+def _draft_joint(model: OnnxDraftModel, prompt: list[int], temperature: float,
+                 top_k: int) -> np.ndarray:
+    from edge_client.sampling import truncated_distribution
+
+    def law(tokens: list[int]) -> np.ndarray:
+        cache = model.new_cache()
+        ids, probs = truncated_distribution(model.forward(cache, tokens)[-1], temperature,
+                                            top_k, 1.0, 0)
+        dense = np.zeros(model.vocab_size)
+        dense[ids] = probs
+        return dense
+
+    q1 = law(prompt)
+    return np.stack([q1[a] * law(prompt + [a]) if q1[a] > 0 else np.zeros(model.vocab_size)
+                     for a in range(model.vocab_size)])
+
+
+def test_cli_generate_json(tiny_llama_pair, capsys):
+    from edge_client.cli import main
+
+    rc = main(["generate", "--embedded", "--target", str(tiny_llama_pair.target_dir),
+               "--draft-dir", str(tiny_llama_pair.draft_dir), "--prompt", "t5 t6 t7", "--raw",
+               "--max-new-tokens", "12", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) <= 12 and out["token_ids"]
+    for key in ("acceptance_rate", "tokens_per_round", "round_trips", "target_forwards",
+                "bytes_up", "bytes_down", "draft_s", "network_s", "verify_s", "wall_s"):
+        assert key in out["stats"]

@@ -227,18 +227,6 @@ def _publish_dir(staged: Path, final: Path) -> None:
 
 
 @dataclass(frozen=True)
-class TargetSpec:
-    """Which target to load; ``None`` fields take the defaults of ``load_target``."""
-
-    path: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-
-    def load(self) -> LoadedTarget:
-        return load_target(self.path, self.device, self.dtype)
-
-
-@dataclass(frozen=True)
 class LoadedTarget:
     model: Any  # a transformers causal LM in eval mode
     tokenizer: Any  # its transformers tokenizer

@@ -258,9 +258,13 @@ def test_too_many_sessions_is_resource_exhausted(stub):
 
 
 def test_draining_is_unavailable_but_running_sessions_finish(server, stub, target):
+    from cloud_verifier.healthcheck import main as healthcheck
+
     want = reference_greedy(target, PROMPT, 2)
     opened = open_session(stub)
+    assert healthcheck(["--address", server.address]) == 0
     server.call(server.server.begin_drain())
+    assert healthcheck(["--address", server.address]) == 1  # NOT_SERVING
     assert code_of(open_session, stub) == grpc.StatusCode.UNAVAILABLE
     reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=0,
                                          draft=pb.Draft(token_ids=want[:1]))).result

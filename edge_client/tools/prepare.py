@@ -31,6 +31,7 @@ class PrepareConfig:
     wheel: Path | None
     draft_layers: int
     force: bool
+    target_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> PrepareConfig:
         help=f"target layers kept in the stand-in draft (default {DEFAULT_DRAFT_LAYERS})",
     )
     parser.add_argument("--force", action="store_true", help="rebuild every stage")
+    parser.add_argument("--target-only", action="store_true",
+                        help="prepare only the target checkpoint (what a verifier host needs)")
     args = parser.parse_args(argv)
     if args.draft_layers < 1:
         parser.error("--draft-layers must be at least 1")
@@ -73,6 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> PrepareConfig:
         wheel=args.wheel,
         draft_layers=args.draft_layers,
         force=args.force,
+        target_only=args.target_only,
     )
 
 
@@ -113,6 +117,8 @@ def prepare(cfg: PrepareConfig) -> list[StageResult]:
     target_built = stage(
         "target", target_dir, _is_built(target_dir, "model.safetensors"), build_target
     )
+    if cfg.target_only:
+        return results
     pt_built = stage(
         "draft-pt",
         pt_dir,

@@ -1,0 +1,35 @@
+"""``edgespec-healthcheck``: exit 0 when a verifier reports SERVING through grpc.health.v1.
+
+Used as the container HEALTHCHECK; a draining or unreachable verifier exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVICE = "edgespec.v1.Verifier"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="edgespec-healthcheck", description=__doc__)
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--timeout", type=float, default=3.0)
+    args = p.parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,6 +26,11 @@ class VerifierConfig:
     grace_s: float = 5.0
     # sha256 digests of accepted API keys; empty means no authentication.
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
+    # Continuous batching: new tokens per forward, and how long to wait for more rounds.
+    max_batch_tokens: int = 512
+    gather_window_s: float = 0.0
+    # Bytes of target KV cache all sessions may hold; None means unbounded.
+    kv_budget_bytes: int | None = None
     # Prometheus HTTP port; None disables the endpoint.
     metrics_port: int | None = None
 

@@ -1,12 +1,16 @@
-"""One verification round on the target model, for one session.
+"""Verification rounds on the target model, for one session or many at once.
 
-KV layout (per session, between rounds): the cache holds every committed token except the
-last one. A round feeds ``committed[cache_len:] + [d_1 .. d_K]`` in one forward pass; the
-last K+1 logits rows are p_1 .. p_{K+1} (p_i judges d_i, p_{K+1} gives the bonus). Usually
-``committed[cache_len:]`` is just the last committed token; on the first round it is the whole
-prompt, so opening a session with a draft costs one forward in total. After the decision the
-cache is cropped back to the new ``committed[:-1]``: that crop is the rollback of the rejected
-tail, done explicitly on every round.
+KV layout (per session, between rounds): the session's KV buffer holds every committed token
+except the last. A round feeds ``committed[kv.length:] + [d_1 .. d_K]``; the last K+1 logit
+rows are p_1 .. p_{K+1} (p_i judges d_i, p_{K+1} gives the bonus). Usually the uncached tail is
+just the last committed token; on the first round it is the whole prompt, so opening a session
+with a draft costs one forward in total. After the decision ``kv.length`` is set to the new
+``len(committed) - 1``: that is the rollback of the rejected tail, explicit on every round.
+
+``run_batch`` verifies the rounds of many sessions in one packed forward
+(``cloud_verifier.packed_forward``); the accept/reject decisions then run per session with the
+session's own generator, in the same order as when run alone, so batched results equal
+sessions run one at a time.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from cloud_verifier.errors import ContextTooLong
+from cloud_verifier.errors import ContextTooLong, KVCacheFull
+from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
+from cloud_verifier.packed_forward import Segment, check_supported, packed_forward
 from cloud_verifier.sessions import Session
 from shared.sampling import target_probs
 from shared.verification import sparse_to_dense, verify, verify_greedy
@@ -43,34 +48,80 @@ class RoundOutcome:
     committed: list[int]
     finished: bool
     forward_ns: int
+    batch_sessions: int = 1
+    batch_tokens: int = 0
 
 
 class VerifierEngine:
-    """Runs rounds on a loaded target. Not thread-safe: the caller runs one round at a time."""
+    """Runs rounds on a loaded target. Not thread-safe: one ``run_batch`` at a time."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int) -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int,
+                 kv_budget_bytes: int | None = None) -> None:
+        check_supported(model)
         self.model = model
         self.vocab_size = vocab_size
         self.max_context = max_context
-        self.device = next(model.parameters()).device
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        self.kv = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+                          param.dtype, param.device, kv_budget_bytes, max_context)
 
-    def check_room(self, session: Session, k: int) -> None:
+    def check_room(self, committed_len: int, k: int) -> None:
         """A round may commit up to K+1 tokens; all of them must fit in the context."""
-        needed = len(session.committed) + k + 1
-        if needed > self.max_context:
-            room = self.max_context - len(session.committed) - 1
+        if committed_len + k + 1 > self.max_context:
+            room = self.max_context - committed_len - 1
             hint = f"send at most {room} drafts" if room >= 0 else "the session is full"
             raise ContextTooLong(
-                f"committed length {len(session.committed)} + {k} drafts + 1 would exceed the "
+                f"committed length {committed_len} + {k} drafts + 1 would exceed the "
                 f"maximum context {self.max_context}; {hint}")
 
-    def run_round(self, session: Session, draft: DraftRound) -> RoundOutcome:
-        k = len(draft.tokens)
-        self.check_room(session, k)
-        t0 = time.perf_counter_ns()
-        rows = self._forward(session, draft.tokens)  # [K+1, V] float32, cpu
-        forward_ns = time.perf_counter_ns() - t0
+    def release(self, session: Session) -> None:
+        self.kv.release(session.kv)
+        session.kv = None
 
+    def run_round(self, session: Session, draft: DraftRound) -> RoundOutcome:
+        outcome = self.run_batch([(session, draft)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def run_batch(self, rounds: list[tuple[Session, DraftRound]]
+                  ) -> list[RoundOutcome | Exception]:
+        """One forward for all rounds; a round that cannot run gets its exception instead."""
+        results: list[RoundOutcome | Exception | None] = [None] * len(rounds)
+        ready: list[int] = []
+        segments: list[Segment] = []
+        for i, (session, draft) in enumerate(rounds):
+            try:
+                self.check_room(len(session.committed), len(draft.tokens))
+                # Room for everything fed this round (the cache covers committed[:-1]).
+                session.kv = self._ensure(session, len(session.committed) + len(draft.tokens))
+            except (ContextTooLong, KVCacheFull) as exc:
+                results[i] = exc
+                continue
+            ready.append(i)
+            segments.append(Segment(session.kv, session.committed[session.kv.length:]
+                                    + draft.tokens, len(draft.tokens) + 1))
+        if segments:
+            t0 = time.perf_counter_ns()
+            logits = packed_forward(self.model, segments)  # each [K+1, V]
+            forward_ns = time.perf_counter_ns() - t0
+            batch_tokens = sum(len(s.tokens) for s in segments)
+            for i, rows in zip(ready, logits, strict=True):
+                session, draft = rounds[i]
+                results[i] = self._decide(session, draft, rows.cpu(), forward_ns,
+                                          len(segments), batch_tokens)
+        return results  # type: ignore[return-value]
+
+    def _ensure(self, session: Session, length: int):
+        try:
+            return self.kv.ensure(session.kv, length)
+        except KVBudgetExceeded as exc:
+            raise KVCacheFull(str(exc)) from None
+
+    def _decide(self, session: Session, draft: DraftRound, rows: torch.Tensor, forward_ns: int,
+                batch_sessions: int, batch_tokens: int) -> RoundOutcome:
         if session.sampling.is_greedy:
             n, next_token = verify_greedy(draft.tokens, rows)
         else:
@@ -78,27 +129,11 @@ class VerifierEngine:
             q = None if draft.q is None else sparse_to_dense(
                 [ids for ids, _ in draft.q], [ps for _, ps in draft.q], self.vocab_size)
             n, next_token = verify(draft.tokens, q, p, session.generator)
-
         appended, finished = self._commit(session, draft.tokens[:n] + [next_token])
-        # Rollback: drop the rejected drafts' keys/values; keep committed[:-1].
-        session.kv_cache.crop(len(session.committed) - 1)
-        return RoundOutcome(n, next_token, appended, finished, forward_ns)
-
-    def _forward(self, session: Session, drafts: list[int]) -> torch.Tensor:
-        if session.kv_cache is None:
-            session.kv_cache = DynamicCache()
-        cache_len = session.cache_len
-        inputs = session.committed[cache_len:] + drafts
-        ids = torch.tensor([inputs], dtype=torch.long, device=self.device)
-        try:
-            with torch.inference_mode():
-                out = self.model(input_ids=ids, past_key_values=session.kv_cache,
-                                 use_cache=True, logits_to_keep=len(drafts) + 1)
-        except BaseException:
-            # Some layers may already hold the new keys: restore the pre-round cache.
-            session.kv_cache.crop(cache_len)
-            raise
-        return out.logits[0, -(len(drafts) + 1):].float().cpu()
+        # Rollback: only committed[:-1] stays valid; later positions will be overwritten.
+        session.kv.length = len(session.committed) - 1
+        return RoundOutcome(n, next_token, appended, finished, forward_ns, batch_sessions,
+                            batch_tokens)
 
     def _commit(self, session: Session, tokens: list[int]) -> tuple[list[int], bool]:
         appended: list[int] = []

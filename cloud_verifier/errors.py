@@ -34,3 +34,7 @@ class Draining(VerifierError):
 
 class Unauthenticated(VerifierError):
     """Missing or unknown API key (UNAUTHENTICATED)."""
+
+
+class KVCacheFull(VerifierError):
+    """The KV memory budget cannot hold this round (RESOURCE_EXHAUSTED)."""

@@ -37,5 +37,14 @@ class VerifierMetrics:
                                          "Target forward time of a round.",
                                          buckets=_LATENCY_BUCKETS, registry=r)
 
+        self.batch_sessions = Histogram("edgespec_batch_sessions",
+                                        "Sessions verified in one forward.",
+                                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.batch_tokens = Histogram("edgespec_batch_tokens", "New tokens in one forward.",
+                                      buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024),
+                                      registry=r)
+        self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",
+                              registry=r)
+
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

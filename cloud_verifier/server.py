@@ -40,13 +40,14 @@ class VerifierServer:
         self.config = config
         self.metrics = VerifierMetrics()
         self.service = VerifierService(
-            VerifierEngine(target.model, target.vocab_size, max_context), config,
+            VerifierEngine(target.model, target.vocab_size, max_context,
+                           config.kv_budget_bytes), config,
             ModelInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
                       tuple(target.eos_token_ids)),
             self.metrics)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.port: int | None = None
 
     async def start(self) -> int:
@@ -65,8 +66,11 @@ class VerifierServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
             self.metrics.serve_http(self.config.metrics_port, self.config.host)
-        self._sweeper = asyncio.ensure_future(
-            self.service.expire_forever(min(30.0, self.config.session_ttl_s / 4)))
+        self._tasks = [
+            asyncio.ensure_future(self.service.batcher.run_forever()),
+            asyncio.ensure_future(
+                self.service.expire_forever(min(30.0, self.config.session_ttl_s / 4))),
+        ]
         self._server = server
         log.info("verifier serving %s on %s:%d", self.service.info.name, self.config.host,
                  self.port)
@@ -83,10 +87,10 @@ class VerifierServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.begin_drain()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
         if self._server is not None:
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        for task in self._tasks:
+            task.cancel()
         log.info("verifier stopped")
 
     async def wait(self) -> None:
@@ -143,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--max-draft-len", type=int, default=16)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-batch-tokens", type=int, default=512,
+                   help="new tokens per batched forward across sessions")
+    p.add_argument("--gather-window-ms", type=float, default=0.0,
+                   help="wait this long for more rounds before a forward")
+    p.add_argument("--kv-budget-mb", type=float, default=None,
+                   help="bytes of target KV cache all sessions may hold (default: unbounded)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
     p.add_argument("--api-keys-file", type=Path, default=None,
@@ -159,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     config = VerifierConfig(
         host=args.host, port=args.port, max_draft_len=args.max_draft_len,
         max_context=args.max_context, max_sessions=args.max_sessions,
+        max_batch_tokens=args.max_batch_tokens, gather_window_s=args.gather_window_ms / 1000,
+        kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
         metrics_port=args.metrics_port)
     return args, config

@@ -9,20 +9,22 @@ closes only the session it happened in.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
 
+from cloud_verifier.batcher import RoundAbandoned, RoundBatcher, Ticket
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import (
     ContextTooLong,
     Draining,
     InvalidRequest,
+    KVCacheFull,
     RoundOutOfOrder,
     SessionNotFound,
     TooManySessions,
@@ -52,6 +54,7 @@ _STATUS = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     RoundOutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
@@ -99,11 +102,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.config = config
         self.info = info
         self.metrics = metrics
-        self.store = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.store = SessionStore(config.max_sessions, config.session_ttl_s,
+                                  on_close=engine.release)
         self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context)
         self.draining = False
-        # One forward at a time on the model; rounds queue here.
-        self._model_lock = asyncio.Lock()
+        # Rounds of all sessions queue here and share forwards.
+        self.batcher = RoundBatcher(engine, metrics, config.max_batch_tokens,
+                                    config.gather_window_s)
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -167,10 +172,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             self.metrics.rejected_requests.labels(aborted.code.name).inc()
             await context.abort(aborted.code, str(aborted))
         finally:
-            if session_id:
-                session = self.store.close(session_id)
-                if session is not None:
-                    self.metrics.active_sessions.set(len(self.store))
+            if session_id:  # the stream ended first: close once no round is running
+                asyncio.ensure_future(self._close_when_idle(session_id, owner))
 
     # -- shared bodies ----------------------------------------------------------------------
 
@@ -179,22 +182,16 @@ class VerifierService(pb_grpc.VerifierServicer):
         if self.draining:
             raise Draining("the verifier is shutting down; open the session on another one")
         params = parse_open(request, self.limits, frozenset(self.info.eos_token_ids))
-        if params.first_draft is not None:
-            # Fail before creating anything if the first round cannot fit.
-            room = len(params.prompt) + len(params.first_draft.tokens) + 1
-            if room > self.engine.max_context:
-                raise ContextTooLong(f"prompt of {len(params.prompt)} tokens plus "
-                                     f"{len(params.first_draft.tokens)} drafts + 1 exceeds the "
-                                     f"maximum context {self.engine.max_context}")
+        if params.first_draft is not None:  # fail before creating anything
+            self.engine.check_room(len(params.prompt), len(params.first_draft.tokens))
         session = self.store.create(owner, params.sampling, params.prompt,
                                     params.max_new_tokens, params.stop_token_ids)
         self.metrics.active_sessions.set(len(self.store))
         reply = pb.OpenSessionResponse(session_id=session.id,
                                        committed_length=len(session.committed))
         if params.first_draft is not None:
-            async with session.lock:
-                result = await self._round(session, 0, params.first_draft,
-                                           params.first_draft_digest, False, context)
+            result = await self._round(session, 0, params.first_draft,
+                                       params.first_draft_digest, False)
             reply.first_round.CopyFrom(result_to_pb(result))
             reply.committed_length = result.committed_length
         return reply
@@ -203,57 +200,67 @@ class VerifierService(pb_grpc.VerifierServicer):
                       context) -> pb.VerifyResponse:
         session = self.store.get(parse_session_id(request.session_id), owner)
         draft = parse_draft(request.draft, self.limits)
-        async with session.lock:
-            result = await self._round(session, request.round, draft,
-                                       draft_digest(request.draft), request.close, context)
+        result = await self._round(session, request.round, draft,
+                                   draft_digest(request.draft), request.close)
         return pb.VerifyResponse(result=result_to_pb(result))
 
     async def _round(self, session: Session, round_no: int, draft: DraftRound, digest: bytes,
-                     close: bool, context) -> RoundResult:
-        """Caller holds session.lock."""
-        last = session.last_result
-        if last is not None and round_no == last.round and digest == session.last_draft_digest:
-            # A retried round: the same answer, applied once.
-            return RoundResult(**{**last.__dict__, "target_forwards": 0,
-                                  "queue_ns": 0, "forward_ns": 0})
-        if session.finished:
-            raise SessionNotFound(f"session {short_id(session.id)}... already finished")
-        if round_no != session.next_round:
-            raise RoundOutOfOrder(
-                f"round {round_no} is out of order: the session expects round "
-                f"{session.next_round}" + (" (a retry must resend the same draft)"
-                                           if last is not None and round_no == last.round
-                                           else ""))
-        # Shielded, so that a caller hanging up mid-forward cannot leave the session half
-        # updated or release the model lock while the forward still runs.
-        task = asyncio.ensure_future(self._run_locked(session, round_no, draft, digest, close))
-        return await asyncio.shield(task)
+                     close: bool) -> RoundResult:
+        """Runs one round of a session, shielded from the caller hanging up.
 
-    async def _run_locked(self, session: Session, round_no: int, draft: DraftRound,
-                          digest: bytes, close: bool) -> RoundResult:
-        queued = time.perf_counter_ns()
-        async with self._model_lock:
-            queue_ns = time.perf_counter_ns() - queued
+        The round (checks, forward, bookkeeping) runs as its own task holding the session
+        lock, so a caller that goes away cannot leave the session half updated. If the
+        caller goes away before the forward starts, the round is dropped unapplied.
+        """
+        ticket: list[Ticket] = []
+        task = asyncio.ensure_future(self._locked_round(session, round_no, draft, digest,
+                                                        close, ticket))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if ticket:
+                ticket[0].abandoned = True
+            raise
+
+    async def _locked_round(self, session: Session, round_no: int, draft: DraftRound,
+                            digest: bytes, close: bool, ticket_out: list) -> RoundResult:
+        async with session.lock:
+            last = session.last_result
+            if last is not None and round_no == last.round \
+                    and digest == session.last_draft_digest:
+                # A retried round: the same answer, applied once.
+                return dataclasses.replace(last, target_forwards=0, queue_ns=0, forward_ns=0)
+            if session.finished:
+                raise SessionNotFound(f"session {short_id(session.id)}... already finished")
+            if round_no != session.next_round:
+                raise RoundOutOfOrder(
+                    f"round {round_no} is out of order: the session expects round "
+                    f"{session.next_round}" + (" (a retry must resend the same draft)"
+                                               if last is not None and round_no == last.round
+                                               else ""))
+            ticket = self.batcher.submit(session, draft)
+            ticket_out.append(ticket)
             try:
-                outcome = await asyncio.to_thread(self.engine.run_round, session, draft)
-            except VerifierError:
+                outcome = await ticket.future
+            except (VerifierError, RoundAbandoned):
                 raise
             except Exception:
                 log.exception("round %d of session %s failed; closing it", round_no,
                               short_id(session.id))
                 self._close(session)
                 raise
-        result = RoundResult(
-            round=round_no, num_accepted=outcome.num_accepted, next_token=outcome.next_token,
-            committed_length=len(session.committed), finished=outcome.finished,
-            target_forwards=1, queue_ns=queue_ns, forward_ns=outcome.forward_ns)
-        session.last_result = result
-        session.last_draft_digest = digest
-        session.next_round = round_no + 1
-        self._observe(draft, outcome, queue_ns)
-        if outcome.finished or close:
-            self._close(session)
-        return result
+            result = RoundResult(
+                round=round_no, num_accepted=outcome.num_accepted,
+                next_token=outcome.next_token, committed_length=len(session.committed),
+                finished=outcome.finished, target_forwards=1, queue_ns=ticket.queue_ns,
+                forward_ns=outcome.forward_ns)
+            session.last_result = result
+            session.last_draft_digest = digest
+            session.next_round = round_no + 1
+            self._observe(draft, outcome, ticket.queue_ns)
+            if outcome.finished or close:
+                self._close(session)
+            return result
 
     def _observe(self, draft: DraftRound, outcome, queue_ns: int) -> None:
         m = self.metrics
@@ -264,6 +271,14 @@ class VerifierService(pb_grpc.VerifierServicer):
         m.emitted_tokens.inc(len(outcome.committed))
         m.queue_seconds.observe(queue_ns / 1e9)
         m.forward_seconds.observe(outcome.forward_ns / 1e9)
+
+    async def _close_when_idle(self, session_id: str, owner: str) -> None:
+        try:
+            session = self.store.get(session_id, owner)
+        except SessionNotFound:
+            return
+        async with session.lock:
+            self._close(session)
 
     def _close(self, session: Session) -> None:
         session.finished = True

@@ -13,12 +13,13 @@ import re
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from cloud_verifier.errors import SessionNotFound, TooManySessions
+from cloud_verifier.kv_store import SessionKV
 from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ class Session:
     max_new_tokens: int  # 0: limited by max_context only
     stop_token_ids: frozenset[int]
     generator: torch.Generator
-    # Target KV cache over committed[:-1] between rounds (None before the first forward).
-    kv_cache: Any = None
+    # Target KV over committed[:kv.length] (None before the first forward).
+    kv: SessionKV | None = None
     next_round: int = 0
     last_result: RoundResult | None = None
     last_draft_digest: bytes = b""
@@ -73,7 +74,7 @@ class Session:
 
     @property
     def cache_len(self) -> int:
-        return 0 if self.kv_cache is None else int(self.kv_cache.get_seq_length())
+        return 0 if self.kv is None else self.kv.length
 
     @property
     def num_generated(self) -> int:
@@ -88,8 +89,11 @@ class SessionStore:
     same answer.
     """
 
-    def __init__(self, max_sessions: int, ttl_s: float, clock=time.monotonic) -> None:
+    def __init__(self, max_sessions: int, ttl_s: float,
+                 on_close: Callable[[Session], None] = lambda session: None,
+                 clock=time.monotonic) -> None:
         self._max = max_sessions
+        self._on_close = on_close
         self._ttl = ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -134,7 +138,7 @@ class SessionStore:
     def close(self, session_id: str) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            session.kv_cache = None  # free the memory now, not at the next GC
+            self._on_close(session)  # frees its KV memory now
             session.finished = True
             self._closed[session_id] = session
             while len(self._closed) > 4 * self._max:

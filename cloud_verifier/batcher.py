@@ -1,0 +1,108 @@
+"""Continuous batching of verification rounds across sessions.
+
+Rounds queue here. While one forward runs (in a worker thread), new rounds keep arriving;
+when it finishes, everything queued (up to ``max_batch_tokens`` new tokens) goes into the next
+forward, after an optional short gather window. A round whose caller gave up before its
+forward started is dropped without running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
+from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.sessions import Session
+
+log = logging.getLogger(__name__)
+
+
+class RoundAbandoned(Exception):
+    """The caller went away before the round's forward started; nothing was applied."""
+
+
+@dataclass
+class Ticket:
+    """A queued round. ``abandoned`` is set by the caller to drop it if not yet started."""
+
+    session: Session
+    draft: DraftRound
+    future: asyncio.Future
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    abandoned: bool = False
+    queue_ns: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.session.committed) - self.session.cache_len + len(self.draft.tokens)
+
+
+class RoundBatcher:
+    def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
+                 max_batch_tokens: int = 512, gather_window_s: float = 0.0) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_batch_tokens = max_batch_tokens
+        self.gather_window_s = gather_window_s
+        self._queue: deque[Ticket] = deque()
+        self._wakeup = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def submit(self, session: Session, draft: DraftRound) -> Ticket:
+        ticket = Ticket(session, draft, asyncio.get_running_loop().create_future())
+        self._queue.append(ticket)
+        self._wakeup.set()
+        return ticket
+
+    async def run_forever(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                if self.gather_window_s:
+                    await asyncio.sleep(self.gather_window_s)
+                batch = self._take()
+                if batch:
+                    await self._run(batch)
+
+    def _take(self) -> list[Ticket]:
+        """Queued rounds in arrival order, within the token budget (always at least one)."""
+        batch: list[Ticket] = []
+        tokens = 0
+        while self._queue:
+            ticket = self._queue[0]
+            if ticket.abandoned:
+                self._queue.popleft()
+                ticket.future.set_exception(RoundAbandoned())
+                continue
+            if batch and tokens + ticket.num_tokens > self.max_batch_tokens:
+                break
+            self._queue.popleft()
+            batch.append(ticket)
+            tokens += ticket.num_tokens
+        return batch
+
+    async def _run(self, batch: list[Ticket]) -> None:
+        started = time.perf_counter_ns()
+        for ticket in batch:
+            ticket.queue_ns = started - ticket.enqueued_ns
+        self.metrics.batch_sessions.observe(len(batch))
+        self.metrics.batch_tokens.observe(sum(t.num_tokens for t in batch))
+        try:
+            outcomes: list[RoundOutcome | Exception] = await asyncio.to_thread(
+                self.engine.run_batch, [(t.session, t.draft) for t in batch])
+        except Exception as exc:  # noqa: BLE001 - the forward failed for the whole batch
+            log.exception("batched forward of %d rounds failed", len(batch))
+            outcomes = [exc] * len(batch)
+        self.metrics.kv_bytes.set(self.engine.kv.bytes_in_use)
+        for ticket, outcome in zip(batch, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                ticket.future.set_exception(outcome)
+            else:
+                ticket.future.set_result(outcome)

@@ -1,0 +1,80 @@
+"""Per-session KV memory for the target, bounded by a byte budget.
+
+Each session owns one contiguous buffer ``[2 (k/v), layers, kv_heads, capacity, head_dim]``
+and a ``length``: positions ``[0, length)`` hold the keys and values of committed tokens.
+A round writes new positions past ``length`` and then sets ``length`` to what was committed,
+so rolling back rejected drafts moves no data (positions past ``length`` are never read and
+get overwritten). Capacity grows by doubling, so appends are amortised O(1) per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVBudgetExceeded(Exception):
+    """Raised when a buffer cannot grow without passing the byte budget."""
+
+
+class SessionKV:
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer  # [2, layers, kv_heads, capacity, head_dim]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]  # [kv_heads, capacity, head_dim]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.buffer[1, layer]
+
+
+class KVStore:
+    MIN_CAPACITY = 64
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, budget_bytes: int | None, max_context: int) -> None:
+        self.shape = (2, num_layers, kv_heads, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.max_context = max_context
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * (
+            torch.finfo(dtype).bits // 8)
+        self.bytes_in_use = 0
+
+    def ensure(self, kv: SessionKV | None, length: int) -> SessionKV:
+        """A buffer with room for ``length`` positions, growing (and copying) if needed."""
+        if kv is not None and kv.capacity >= length:
+            return kv
+        capacity = max(self.MIN_CAPACITY, kv.capacity * 2 if kv is not None else 0, length)
+        capacity = min(max(capacity, length), self.max_context)
+        extra = capacity * self.bytes_per_token - (kv.nbytes if kv is not None else 0)
+        if self.budget_bytes is not None and self.bytes_in_use + extra > self.budget_bytes:
+            raise KVBudgetExceeded(
+                f"KV cache budget of {self.budget_bytes} bytes is in use "
+                f"({self.bytes_in_use} bytes); {extra} more are needed")
+        two, layers, heads, head_dim = self.shape
+        buffer = torch.empty((two, layers, heads, capacity, head_dim), dtype=self.dtype,
+                             device=self.device)
+        if kv is None:
+            grown = SessionKV(buffer)
+        else:
+            buffer[:, :, :, :kv.length] = kv.buffer[:, :, :, :kv.length]
+            grown = SessionKV(buffer)
+            grown.length = kv.length
+        self.bytes_in_use += extra
+        return grown
+
+    def release(self, kv: SessionKV | None) -> None:
+        if kv is not None:
+            self.bytes_in_use -= kv.nbytes
+            kv.buffer = kv.buffer[:, :, :, :0]
+            kv.length = 0

@@ -1,0 +1,95 @@
+"""One target forward over the new tokens of many sessions, packed without padding.
+
+Sessions differ in context length and in K, so their new tokens are concatenated into one
+sequence ``[1, N]`` with per-token positions. Every projection, MLP and the LM head run once
+over the packed tokens (that is where the FLOPs are); only attention is per session: each
+segment's queries attend to that session's own KV buffer, which the segment's new keys and
+values are first written into. No session's cache is copied or padded to build the batch.
+
+This drives the modules of a Hugging Face Llama-family model (Llama, Mistral, Qwen2, SmolLM:
+``model.model.{embed_tokens, layers, norm, rotary_emb}`` with ``self_attn.{q,k,v,o}_proj``)
+directly; ``check_supported`` refuses other architectures with a clear message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from cloud_verifier.kv_store import SessionKV
+
+
+@dataclass(frozen=True)
+class Segment:
+    kv: SessionKV  # the session's buffer; positions [0, kv.length) are its cached tokens
+    tokens: list[int]  # new tokens, written at positions kv.length ..
+    num_logits: int  # logits wanted for the last num_logits new tokens
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    ok = (inner is not None and layers is not None and hasattr(inner, "rotary_emb")
+          and hasattr(inner, "embed_tokens") and hasattr(model, "lm_head")
+          and all(hasattr(layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                            "o_proj")))
+    if not ok:
+        raise ValueError(f"{type(model).__name__} is not a Llama-family causal LM; the packed "
+                         "verifier supports Llama, Mistral, Qwen2 and similar architectures")
+
+
+@torch.inference_mode()
+def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torch.Tensor]:
+    """Runs all segments in one pass; returns per segment its ``[num_logits, V]`` logits.
+
+    Writes each segment's new keys/values at positions ``kv.length ..`` of its buffer (the
+    caller must have ensured capacity) but does not change ``kv.length``: committing is the
+    caller's decision.
+    """
+    inner = model.model
+    device = inner.embed_tokens.weight.device
+    ids = torch.tensor([t for s in segments for t in s.tokens], device=device)
+    positions = torch.cat([torch.arange(s.kv.length, s.kv.length + len(s.tokens))
+                           for s in segments]).to(device)
+    bounds, start = [], 0
+    for s in segments:
+        bounds.append((start, start + len(s.tokens)))
+        start += len(s.tokens)
+    masks = [_causal_mask(s.kv.length, len(s.tokens), device) for s in segments]
+
+    hidden = inner.embed_tokens(ids)[None]  # [1, N, d]
+    cos, sin = inner.rotary_emb(hidden, positions[None])
+    n = ids.shape[0]
+    for layer_idx, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, H, N, hd]
+        k = attn.k_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
+        v = attn.v_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = torch.empty_like(q)
+        for seg, (lo, hi), mask in zip(segments, bounds, masks, strict=True):
+            end = seg.kv.length + (hi - lo)
+            keys, values = seg.kv.keys(layer_idx), seg.kv.values(layer_idx)
+            keys[:, seg.kv.length:end] = k[0, :, lo:hi]
+            values[:, seg.kv.length:end] = v[0, :, lo:hi]
+            out[:, :, lo:hi] = F.scaled_dot_product_attention(
+                q[:, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
+                scale=attn.scaling, enable_gqa=True)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = inner.norm(hidden)[0]
+    wanted = torch.cat([torch.arange(hi - s.num_logits, hi) for s, (_, hi)
+                        in zip(segments, bounds, strict=True)]).to(device)
+    logits = model.lm_head(hidden[wanted]).float()
+    return list(torch.split(logits, [s.num_logits for s in segments]))
+
+
+def _causal_mask(past: int, new: int, device: torch.device) -> torch.Tensor | None:
+    """New token i (at position past + i) sees positions 0 .. past + i."""
+    if new == 1:
+        return None
+    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)

@@ -1,0 +1,159 @@
+"""Batched verification equals the same sessions run one at a time.
+
+8 sessions with prompts of different lengths and different K (0..6) verify rounds together in
+one packed forward; the same sessions run alone must commit the same tokens (greedy: token
+identical; sampling with the same seeds: the same decisions).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.packed_forward import Segment, packed_forward
+from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_model import load_target
+from edge_client.client import EdgeClient, GenerationConfig
+from shared.sampling import SamplingParams
+
+PROMPT_LENGTHS = [3, 20, 7, 12, 1, 30, 9, 15]
+DRAFT_LENGTHS = [4, 1, 6, 0, 3, 5, 2, 4]
+ROUNDS = 6
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_pair):
+    return load_target(tiny_llama_pair.target_dir)
+
+
+def prompt(i: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(3, vocab, (PROMPT_LENGTHS[i],), generator=g).tolist()
+
+
+def drafts_for(committed: list[int], k: int, vocab: int, sampling: bool) -> DraftRound:
+    """Deterministic in the committed tokens, so both runs propose the same drafts."""
+    tokens = [(sum(committed) * (j + 7) + len(committed)) % vocab for j in range(k)]
+    q = [([t, (t + 1) % vocab, (t + 2) % vocab], [0.5, 0.3, 0.2]) for t in tokens]
+    return DraftRound(tokens, q if sampling else None)
+
+
+def run(target, batched: bool, sampling: bool) -> list[list[int]]:
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    store = SessionStore(max_sessions=8, ttl_s=60, on_close=engine.release)
+    params = SamplingParams(temperature=1.0 if sampling else 0.0, top_k=20)
+    sessions = [store.create("me", SamplingParams(params.temperature, params.top_k, 1.0, seed=i),
+                             prompt(i, target.vocab_size), 0, frozenset()) for i in range(8)]
+    for _ in range(ROUNDS):
+        rounds = [(s, drafts_for(s.committed, DRAFT_LENGTHS[i], target.vocab_size, sampling))
+                  for i, s in enumerate(sessions)]
+        if batched:
+            outcomes = engine.run_batch(rounds)
+            assert all(o.batch_sessions == 8 for o in outcomes)
+        else:
+            for s, d in rounds:
+                engine.run_round(s, d)
+    return [s.committed for s in sessions]
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_batched_rounds_equal_one_at_a_time(target, sampling):
+    assert run(target, batched=True, sampling=sampling) == \
+        run(target, batched=False, sampling=sampling)
+
+
+def test_packed_forward_matches_the_model(target):
+    """Packed logits for three sessions equal the model's own full forward."""
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    seqs = [prompt(i, target.vocab_size) + [5, 6, 7] for i in (0, 2, 5)]
+    kvs = [engine.kv.ensure(None, len(s)) for s in seqs]
+    packed_forward(target.model, [Segment(kv, s[:-3], 1) for kv, s in zip(kvs, seqs,
+                                                                          strict=True)])
+    for kv, s in zip(kvs, seqs, strict=True):
+        kv.length = len(s) - 3
+    out = packed_forward(target.model, [Segment(kv, s[-3:], 3)
+                                        for kv, s in zip(kvs, seqs, strict=True)])
+    with torch.no_grad():
+        for got, s in zip(out, seqs, strict=True):
+            want = target.model(torch.tensor([s])).logits[0, -3:]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_clients_get_their_own_output(target, tiny_llama_pair):
+    """8 clients at once through gRPC (rounds share forwards) = each client alone."""
+    config = VerifierConfig(port=0, gather_window_s=0.002)
+    prompts = [prompt(i, target.vocab_size) for i in range(8)]
+
+    def generate(address: str, i: int, out: dict) -> None:
+        with EdgeClient(address, tiny_llama_pair.draft_dir) as client:
+            gen = client.generate(prompts[i], GenerationConfig(
+                max_new_tokens=24, draft_len=DRAFT_LENGTHS[i], temperature=0.8 * (i % 2),
+                seed=i, ignore_eos=True))
+            list(gen)
+            out[i] = gen.token_ids
+
+    with EmbeddedVerifier(target, config) as server:
+        alone: dict[int, list[int]] = {}
+        for i in range(8):
+            generate(server.address, i, alone)
+        together: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=generate, args=(server.address, i, together))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        batches = server.server.metrics.batch_sessions
+    assert together == alone
+    # The rounds really were batched: some forward served more than one session.
+    assert _histogram_max_bucket_used(batches) > 1
+
+
+def _histogram_max_bucket_used(histogram) -> float:
+    """Largest finite bucket bound that holds an observation (prometheus_client)."""
+    samples = [s for m in histogram.collect() for s in m.samples if s.name.endswith("_bucket")]
+    used, prev = 0.0, 0.0
+    for s in samples:
+        bound = float(s.labels["le"])
+        if s.value > prev and bound != float("inf"):
+            used = bound
+        prev = s.value
+    return used
+
+
+def test_kv_budget_is_enforced(target):
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context,
+                            kv_budget_bytes=1)
+    store = SessionStore(max_sessions=1, ttl_s=60, on_close=engine.release)
+    session = store.create("me", SamplingParams(), [5, 6, 7], 0, frozenset())
+    from cloud_verifier.errors import KVCacheFull
+
+    with pytest.raises(KVCacheFull):
+        engine.run_round(session, DraftRound([1], None))
+    assert engine.kv.bytes_in_use == 0 and session.committed == [5, 6, 7]
+
+
+def test_kv_budget_exhaustion_is_resource_exhausted(target):
+    config = VerifierConfig(port=0, kv_budget_bytes=64 * engine_bytes_per_token(target))
+    with EmbeddedVerifier(target, config) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        from shared.pb import verifier_pb2 as pb
+        from shared.pb import verifier_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.VerifierStub(channel)
+        req = pb.OpenSessionRequest(prompt_token_ids=[5, 6, 7], first_draft=pb.Draft())
+        stub.OpenSession(req)  # takes the whole budget (64 positions)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.OpenSession(req)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.server.service.engine.kv.bytes_in_use <= config.kv_budget_bytes
+
+
+def engine_bytes_per_token(target) -> int:
+    return VerifierEngine(target.model, target.vocab_size, target.max_context).kv.bytes_per_token

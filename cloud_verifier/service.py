@@ -9,9 +9,11 @@ closes only the session it happened in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -35,8 +37,10 @@ from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sessions import RoundResult, Session, SessionStore, short_id
 from cloud_verifier.wire import (
     Limits,
+    OpenParams,
     draft_digest,
     parse_draft,
+    parse_generate,
     parse_open,
     parse_session_id,
     result_to_pb,
@@ -47,6 +51,8 @@ from shared.pb import verifier_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = "edgespec.v1"
+# Back-off hint sent with RESOURCE_EXHAUSTED.
+RETRY_AFTER_MS = 200
 
 _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -83,15 +89,24 @@ def _to_status(exc: Exception) -> _Aborted:
     return _Aborted(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
+@contextlib.asynccontextmanager
+async def _statuses(service: VerifierService, context):
+    """Turns any failure inside into a status on ``context`` (and a metric)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+        aborted = _to_status(exc)
+        service.metrics.rejected_requests.labels(aborted.code.name).inc()
+        if aborted.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            context.set_trailing_metadata((("retry-after-ms", str(RETRY_AFTER_MS)),))
+        await context.abort(aborted.code, str(aborted))
+
+
 def _unary(handler):
     @functools.wraps(handler)
     async def wrapper(self: VerifierService, request, context: grpc.aio.ServicerContext):
-        try:
+        async with _statuses(self, context):
             return await handler(self, request, context)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            aborted = _to_status(exc)
-        self.metrics.rejected_requests.labels(aborted.code.name).inc()
-        await context.abort(aborted.code, str(aborted))
     return wrapper
 
 
@@ -125,11 +140,11 @@ class VerifierService(pb_grpc.VerifierServicer):
     @_unary
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context) -> pb.OpenSessionResponse:
-        return await self._open(request, self._caller(context), context)
+        return await self._open(request, self._caller(context))
 
     @_unary
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
-        return await self._verify(request, self._caller(context), context)
+        return await self._verify(request, self._caller(context))
 
     @_unary
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -141,52 +156,73 @@ class VerifierService(pb_grpc.VerifierServicer):
 
     async def Session(self, request_iterator, context):
         """One session per stream; the stream's end closes the session."""
-        session_id = ""
+        session_id = owner = ""
         try:
-            owner = self._caller(context)
-            async for request in request_iterator:
-                kind = request.WhichOneof("kind")
-                if kind == "open":
-                    if session_id:
-                        raise InvalidRequest("this stream already has a session; "
-                                             "send verify messages or open a new stream")
-                    opened = await self._open(request.open, owner, context)
-                    session_id = opened.session_id
-                    yield pb.SessionResponse(opened=opened)
-                elif kind == "verify":
-                    if not session_id:
-                        raise InvalidRequest("the first message on a stream must be open")
-                    verify = request.verify
-                    if verify.session_id and verify.session_id != session_id:
-                        raise InvalidRequest("verify.session_id differs from the stream's "
-                                             "session; leave it empty on a stream")
-                    verify.session_id = session_id
-                    verified = await self._verify(verify, owner, context)
-                    yield pb.SessionResponse(verified=verified)
-                    if verified.result.finished or verify.close:
-                        session_id = ""
-                else:
-                    raise InvalidRequest("empty SessionRequest: set open or verify")
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            aborted = _to_status(exc)
-            self.metrics.rejected_requests.labels(aborted.code.name).inc()
-            await context.abort(aborted.code, str(aborted))
+            async with _statuses(self, context):
+                owner = self._caller(context)
+                async for request in request_iterator:
+                    kind = request.WhichOneof("kind")
+                    if kind == "open":
+                        if session_id:
+                            raise InvalidRequest("this stream already has a session; "
+                                                 "send verify messages or open a new stream")
+                        opened = await self._open(request.open, owner)
+                        session_id = opened.session_id
+                        yield pb.SessionResponse(opened=opened)
+                    elif kind == "verify":
+                        if not session_id:
+                            raise InvalidRequest("the first message on a stream must be open")
+                        verify = request.verify
+                        if verify.session_id and verify.session_id != session_id:
+                            raise InvalidRequest("verify.session_id differs from the stream's "
+                                                 "session; leave it empty on a stream")
+                        verify.session_id = session_id
+                        verified = await self._verify(verify, owner)
+                        yield pb.SessionResponse(verified=verified)
+                        if verified.result.finished or verify.close:
+                            session_id = ""
+                    else:
+                        raise InvalidRequest("empty SessionRequest: set open or verify")
         finally:
             if session_id:  # the stream ended first: close once no round is running
                 asyncio.ensure_future(self._close_when_idle(session_id, owner))
 
+    async def Generate(self, request: pb.GenerateRequest, context):
+        """Cloud-only decoding: K = 0 rounds through the same batcher, one token each."""
+        session = None
+        try:
+            async with _statuses(self, context):
+                owner = self._caller(context)
+                session = self._create_session(parse_generate(
+                    request, self.limits, frozenset(self.info.eos_token_ids)), owner)
+                no_draft = DraftRound([], None)
+                for round_no in itertools.count():
+                    result = await self._round(session, round_no, no_draft, b"", False)
+                    yield pb.GenerateResponse(
+                        token_ids=[result.next_token], committed_length=result.committed_length,
+                        finished=result.finished,
+                        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns))
+                    if result.finished:
+                        break
+        finally:
+            if session is not None and not session.finished:
+                asyncio.ensure_future(self._close_when_idle(session.id, session.owner))
+
     # -- shared bodies ----------------------------------------------------------------------
 
-    async def _open(self, request: pb.OpenSessionRequest, owner: str,
-                    context) -> pb.OpenSessionResponse:
+    def _create_session(self, params: OpenParams, owner: str) -> Session:
         if self.draining:
             raise Draining("the verifier is shutting down; open the session on another one")
-        params = parse_open(request, self.limits, frozenset(self.info.eos_token_ids))
         if params.first_draft is not None:  # fail before creating anything
             self.engine.check_room(len(params.prompt), len(params.first_draft.tokens))
         session = self.store.create(owner, params.sampling, params.prompt,
                                     params.max_new_tokens, params.stop_token_ids)
         self.metrics.active_sessions.set(len(self.store))
+        return session
+
+    async def _open(self, request: pb.OpenSessionRequest, owner: str) -> pb.OpenSessionResponse:
+        params = parse_open(request, self.limits, frozenset(self.info.eos_token_ids))
+        session = self._create_session(params, owner)
         reply = pb.OpenSessionResponse(session_id=session.id,
                                        committed_length=len(session.committed))
         if params.first_draft is not None:
@@ -196,8 +232,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             reply.committed_length = result.committed_length
         return reply
 
-    async def _verify(self, request: pb.VerifyRequest, owner: str,
-                      context) -> pb.VerifyResponse:
+    async def _verify(self, request: pb.VerifyRequest, owner: str) -> pb.VerifyResponse:
         session = self.store.get(parse_session_id(request.session_id), owner)
         draft = parse_draft(request.draft, self.limits)
         result = await self._round(session, request.round, draft,

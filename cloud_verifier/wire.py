@@ -146,3 +146,12 @@ def result_to_pb(result: RoundResult) -> pb.RoundResult:
         target_forwards=result.target_forwards,
         timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
         suggested_draft_len=result.suggested_draft_len)
+
+
+def parse_generate(msg: pb.GenerateRequest, limits: Limits,
+                   default_stop_ids: frozenset[int]) -> OpenParams:
+    """A cloud-only generation is a session without drafts."""
+    return parse_open(pb.OpenSessionRequest(
+        prompt_token_ids=msg.prompt_token_ids, sampling=msg.sampling,
+        max_new_tokens=msg.max_new_tokens, stop_token_ids=msg.stop_token_ids,
+        ignore_eos=msg.ignore_eos), limits, default_stop_ids)

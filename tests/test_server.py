@@ -298,3 +298,22 @@ def test_sessions_belong_to_their_api_key(target):
         verify = pb.VerifyRequest(session_id=opened.session_id, round=0)
         assert code_of(stub.Verify, verify, metadata=bob) == grpc.StatusCode.NOT_FOUND
         assert stub.Verify(verify, metadata=alice).result.committed_length == len(PROMPT) + 1
+
+
+def test_generate_is_plain_greedy_decoding_streamed(stub, target):
+    want = reference_greedy(target, PROMPT, 10)
+    replies = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=10,
+                                                    ignore_eos=True)))
+    assert [t for r in replies for t in r.token_ids] == want
+    assert [r.finished for r in replies] == [False] * 9 + [True]
+    assert replies[-1].committed_length == len(PROMPT) + 10
+
+
+def test_resource_exhausted_carries_a_retry_hint(stub):
+    for _ in range(4):
+        open_session(stub)
+    with pytest.raises(grpc.RpcError) as info:
+        open_session(stub)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    hint = dict(info.value.trailing_metadata())["retry-after-ms"]
+    assert int(hint) > 0

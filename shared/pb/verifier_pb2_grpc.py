@@ -59,6 +59,11 @@ class VerifierStub:
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/edgespec.v1.Verifier/Generate',
+                request_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -100,6 +105,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Cloud-only baseline: the target decodes every token itself (sharing the same continuous
+        batching as verification rounds) and streams tokens back. What a user runs without an
+        edge draft; the fleet benchmark compares against it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +141,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=edgespec_dot_v1_dot_verifier__pb2.SessionRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_verifier__pb2.SessionResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
+                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +283,33 @@ class Verifier:
             '/edgespec.v1.Verifier/Session',
             edgespec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/edgespec.v1.Verifier/Generate',
+            edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
+            edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,9 +12,11 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
+from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sessions import Session
 
@@ -43,9 +45,14 @@ class Ticket:
 
 class RoundBatcher:
     def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
-                 max_batch_tokens: int = 512, gather_window_s: float = 0.0) -> None:
+                 max_batch_tokens: int = 512, gather_window_s: float = 0.0,
+                 max_queued_rounds: int = 256,
+                 evict: Callable[[int, set[str]], None] = lambda nbytes, keep: None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_queued_rounds = max_queued_rounds
+        # Frees idle sessions' KV memory: evict(bytes needed, ids of sessions to keep).
+        self._evict = evict
         self.max_batch_tokens = max_batch_tokens
         self.gather_window_s = gather_window_s
         self._queue: deque[Ticket] = deque()
@@ -55,6 +62,9 @@ class RoundBatcher:
         return len(self._queue)
 
     def submit(self, session: Session, draft: DraftRound) -> Ticket:
+        if len(self._queue) >= self.max_queued_rounds:
+            raise Overloaded(f"{len(self._queue)} rounds are queued for the model; back off "
+                             "and retry")
         ticket = Ticket(session, draft, asyncio.get_running_loop().create_future())
         self._queue.append(ticket)
         self._wakeup.set()
@@ -89,6 +99,10 @@ class RoundBatcher:
         return batch
 
     async def _run(self, batch: list[Ticket]) -> None:
+        rounds = [(t.session, t.draft) for t in batch]
+        needed = self.engine.kv_growth_bytes(rounds)
+        if not self.engine.kv.fits(needed):
+            self._evict(needed, {t.session.id for t in batch})
         started = time.perf_counter_ns()
         for ticket in batch:
             ticket.queue_ns = started - ticket.enqueued_ns
@@ -96,7 +110,7 @@ class RoundBatcher:
         self.metrics.batch_tokens.observe(sum(t.num_tokens for t in batch))
         try:
             outcomes: list[RoundOutcome | Exception] = await asyncio.to_thread(
-                self.engine.run_batch, [(t.session, t.draft) for t in batch])
+                self.engine.run_batch, rounds)
         except Exception as exc:  # noqa: BLE001 - the forward failed for the whole batch
             log.exception("batched forward of %d rounds failed", len(batch))
             outcomes = [exc] * len(batch)

@@ -29,6 +29,10 @@ class VerifierConfig:
     # Continuous batching: new tokens per forward, and how long to wait for more rounds.
     max_batch_tokens: int = 512
     gather_window_s: float = 0.0
+    # Beyond this many queued rounds, new rounds get RESOURCE_EXHAUSTED.
+    max_queued_rounds: int = 256
+    # Cost of one verified token relative to a forward's fixed cost (see draft_policy).
+    verify_token_cost: float = 0.081
     # Bytes of target KV cache all sessions may hold; None means unbounded.
     kv_budget_bytes: int | None = None
     # Prometheus HTTP port; None disables the endpoint.

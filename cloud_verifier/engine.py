@@ -24,7 +24,7 @@ import torch
 from cloud_verifier.errors import ContextTooLong, KVCacheFull
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
 from cloud_verifier.packed_forward import Segment, check_supported, packed_forward
-from cloud_verifier.sessions import Session
+from cloud_verifier.sessions import Session, position_seed
 from shared.sampling import target_probs
 from shared.verification import sparse_to_dense, verify, verify_greedy
 
@@ -75,6 +75,11 @@ class VerifierEngine:
             raise ContextTooLong(
                 f"committed length {committed_len} + {k} drafts + 1 would exceed the "
                 f"maximum context {self.max_context}; {hint}")
+
+    def kv_growth_bytes(self, rounds: list[tuple[Session, DraftRound]]) -> int:
+        """KV bytes these rounds would add (buffers that must be allocated or grown)."""
+        return sum(self.kv.growth_bytes(s.kv, len(s.committed) + len(d.tokens))
+                   for s, d in rounds)
 
     def release(self, session: Session) -> None:
         self.kv.release(session.kv)
@@ -128,6 +133,8 @@ class VerifierEngine:
             p = target_probs(rows, session.sampling)  # [K+1, V]
             q = None if draft.q is None else sparse_to_dense(
                 [ids for ids, _ in draft.q], [ps for _, ps in draft.q], self.vocab_size)
+            session.generator.manual_seed(position_seed(session.sampling.seed,
+                                                        len(session.committed)))
             n, next_token = verify(draft.tokens, q, p, session.generator)
         appended, finished = self._commit(session, draft.tokens[:n] + [next_token])
         # Rollback: only committed[:-1] stays valid; later positions will be overwritten.

@@ -38,3 +38,7 @@ class Unauthenticated(VerifierError):
 
 class KVCacheFull(VerifierError):
     """The KV memory budget cannot hold this round (RESOURCE_EXHAUSTED)."""
+
+
+class Overloaded(VerifierError):
+    """Too many rounds are queued for the model (RESOURCE_EXHAUSTED)."""

@@ -50,14 +50,32 @@ class KVStore:
             torch.finfo(dtype).bits // 8)
         self.bytes_in_use = 0
 
+    def _capacity_for(self, kv: SessionKV | None, length: int) -> int:
+        """Double (amortised appends), unless only the exact length fits the budget."""
+        held = kv.nbytes if kv is not None else 0
+        capacity = max(self.MIN_CAPACITY, kv.capacity * 2 if kv is not None else 0, length)
+        capacity = min(capacity, self.max_context)
+        if not self.fits(capacity * self.bytes_per_token - held):
+            capacity = length
+        return capacity
+
+    def growth_bytes(self, kv: SessionKV | None, length: int) -> int:
+        """Bytes ``ensure(kv, length)`` would add."""
+        if kv is not None and kv.capacity >= length:
+            return 0
+        return (self._capacity_for(kv, length) * self.bytes_per_token
+                - (kv.nbytes if kv is not None else 0))
+
+    def fits(self, extra: int) -> bool:
+        return self.budget_bytes is None or self.bytes_in_use + extra <= self.budget_bytes
+
     def ensure(self, kv: SessionKV | None, length: int) -> SessionKV:
         """A buffer with room for ``length`` positions, growing (and copying) if needed."""
         if kv is not None and kv.capacity >= length:
             return kv
-        capacity = max(self.MIN_CAPACITY, kv.capacity * 2 if kv is not None else 0, length)
-        capacity = min(max(capacity, length), self.max_context)
-        extra = capacity * self.bytes_per_token - (kv.nbytes if kv is not None else 0)
-        if self.budget_bytes is not None and self.bytes_in_use + extra > self.budget_bytes:
+        capacity = self._capacity_for(kv, length)
+        extra = self.growth_bytes(kv, length)
+        if not self.fits(extra):
             raise KVBudgetExceeded(
                 f"KV cache budget of {self.budget_bytes} bytes is in use "
                 f"({self.bytes_in_use} bytes); {extra} more are needed")

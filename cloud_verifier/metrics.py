@@ -43,6 +43,18 @@ class VerifierMetrics:
         self.batch_tokens = Histogram("edgespec_batch_tokens", "New tokens in one forward.",
                                       buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024),
                                       registry=r)
+        self.drafted_by_position = Counter(
+            "edgespec_spec_decode_num_drafts_by_position",
+            "Drafts verified at each draft position (1-based).", ["position"], registry=r)
+        self.accepted_by_position = Counter(
+            "edgespec_spec_decode_num_accepted_tokens_by_position",
+            "Drafts accepted at each draft position (1-based); divide by the drafted count "
+            "for acceptance by position.", ["position"], registry=r)
+        self.tokens_per_round = Histogram("edgespec_tokens_per_round",
+                                          "Tokens committed per verification round.",
+                                          buckets=(1, 2, 3, 4, 5, 6, 8, 12, 17), registry=r)
+        self.evictions = Counter("edgespec_session_evictions",
+                                 "Sessions evicted, by reason.", ["reason"], registry=r)
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",
                               registry=r)
 

@@ -151,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="new tokens per batched forward across sessions")
     p.add_argument("--gather-window-ms", type=float, default=0.0,
                    help="wait this long for more rounds before a forward")
+    p.add_argument("--max-queued-rounds", type=int, default=256,
+                   help="rounds waiting for the model beyond which RESOURCE_EXHAUSTED is sent")
+    p.add_argument("--verify-token-cost", type=float, default=0.081,
+                   help="cost of a verified token relative to a forward's fixed cost, for the "
+                        "suggested draft length")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="bytes of target KV cache all sessions may hold (default: unbounded)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
@@ -170,6 +175,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         host=args.host, port=args.port, max_draft_len=args.max_draft_len,
         max_context=args.max_context, max_sessions=args.max_sessions,
         max_batch_tokens=args.max_batch_tokens, gather_window_s=args.gather_window_ms / 1000,
+        max_queued_rounds=args.max_queued_rounds, verify_token_cost=args.verify_token_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
         metrics_port=args.metrics_port)

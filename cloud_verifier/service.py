@@ -21,12 +21,14 @@ import grpc
 
 from cloud_verifier.batcher import RoundAbandoned, RoundBatcher, Ticket
 from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.draft_policy import PROBE_EVERY, suggest_draft_len
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import (
     ContextTooLong,
     Draining,
     InvalidRequest,
     KVCacheFull,
+    Overloaded,
     RoundOutOfOrder,
     SessionNotFound,
     TooManySessions,
@@ -61,6 +63,7 @@ _STATUS = {
     RoundOutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     TooManySessions: grpc.StatusCode.RESOURCE_EXHAUSTED,
     KVCacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Draining: grpc.StatusCode.UNAVAILABLE,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
 }
@@ -123,7 +126,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.draining = False
         # Rounds of all sessions queue here and share forwards.
         self.batcher = RoundBatcher(engine, metrics, config.max_batch_tokens,
-                                    config.gather_window_s)
+                                    config.gather_window_s, config.max_queued_rounds,
+                                    self._evict_idle)
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -265,6 +269,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                     and digest == session.last_draft_digest:
                 # A retried round: the same answer, applied once.
                 return dataclasses.replace(last, target_forwards=0, queue_ns=0, forward_ns=0)
+            if session.evicted:
+                raise SessionNotFound(
+                    f"session {short_id(session.id)}... was evicted to free memory; reopen it "
+                    "with its full committed context as the prompt")
             if session.finished:
                 raise SessionNotFound(f"session {short_id(session.id)}... already finished")
             if round_no != session.next_round:
@@ -284,11 +292,18 @@ class VerifierService(pb_grpc.VerifierServicer):
                               short_id(session.id))
                 self._close(session)
                 raise
+            session.acceptance.update(len(draft.tokens), outcome.num_accepted)
+            load = max(outcome.batch_sessions, len(self.batcher) + 1)
+            suggested = suggest_draft_len(session.acceptance.alpha, load,
+                                          self.config.max_draft_len,
+                                          self.config.verify_token_cost)
+            if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
+                suggested = 1  # keep measuring acceptance
             result = RoundResult(
                 round=round_no, num_accepted=outcome.num_accepted,
                 next_token=outcome.next_token, committed_length=len(session.committed),
                 finished=outcome.finished, target_forwards=1, queue_ns=ticket.queue_ns,
-                forward_ns=outcome.forward_ns)
+                forward_ns=outcome.forward_ns, suggested_draft_len=suggested)
             session.last_result = result
             session.last_draft_digest = digest
             session.next_round = round_no + 1
@@ -303,9 +318,27 @@ class VerifierService(pb_grpc.VerifierServicer):
         m.target_forwards.inc()
         m.draft_tokens.inc(len(draft.tokens))
         m.accepted_tokens.inc(outcome.num_accepted)
+        for position in range(len(draft.tokens)):
+            m.accepted_by_position.labels(str(position + 1)).inc(
+                1 if position < outcome.num_accepted else 0)
+            m.drafted_by_position.labels(str(position + 1)).inc()
+        m.tokens_per_round.observe(len(outcome.committed))
         m.emitted_tokens.inc(len(outcome.committed))
         m.queue_seconds.observe(queue_ns / 1e9)
         m.forward_seconds.observe(outcome.forward_ns / 1e9)
+
+    def _evict_idle(self, needed: int, keep: set[str]) -> None:
+        """Frees least recently used idle sessions until ``needed`` KV bytes fit."""
+        for session in self.store.idle_lru():
+            if self.engine.kv.fits(needed):
+                return
+            if session.id in keep or session.kv is None:
+                continue
+            log.info("evicting session %s (%d tokens) to free KV memory",
+                     short_id(session.id), len(session.committed))
+            session.evicted = True
+            self._close(session)
+            self.metrics.evictions.labels("kv_budget").inc()
 
     async def _close_when_idle(self, session_id: str, owner: str) -> None:
         try:
@@ -338,5 +371,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         """Background sweep that frees idle sessions' KV caches."""
         while True:
             await asyncio.sleep(period_s)
-            if self.store.expire_idle():
+            expired = self.store.expire_idle()
+            if expired:
+                self.metrics.evictions.labels("ttl").inc(expired)
                 self.metrics.active_sessions.set(len(self.store))

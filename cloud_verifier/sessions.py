@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cloud_verifier.draft_policy import AcceptanceTracker
 from cloud_verifier.errors import SessionNotFound, TooManySessions
 from cloud_verifier.kv_store import SessionKV
 from shared.sampling import SamplingParams
@@ -30,6 +31,16 @@ _SESSION_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 def is_well_formed_session_id(session_id: str) -> bool:
     return bool(_SESSION_ID_RE.match(session_id))
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the round that starts at committed length ``position``.
+
+    Randomness is a function of (session seed, position), not of a generator's history, so
+    a session reopened with its full context after an eviction draws exactly the numbers
+    the evicted one would have drawn: eviction cannot change the output.
+    """
+    return (seed * 0x9E3779B97F4A7C15 + position) % (2**63)
 
 
 def short_id(session_id: str) -> str:
@@ -69,6 +80,8 @@ class Session:
     last_result: RoundResult | None = None
     last_draft_digest: bytes = b""
     finished: bool = False
+    evicted: bool = False
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -109,8 +122,7 @@ class SessionStore:
             raise TooManySessions(
                 f"the verifier holds its maximum of {self._max} sessions; retry later")
         session_id = secrets.token_hex(SESSION_ID_BYTES)
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(sampling.seed)
+        generator = torch.Generator(device="cpu")  # reseeded each round: position_seed
         session = Session(
             id=session_id, owner=owner, sampling=sampling, committed=list(prompt),
             prompt_len=len(prompt), max_new_tokens=max_new_tokens,
@@ -127,11 +139,9 @@ class SessionStore:
             raise SessionNotFound(
                 f"session {short_id(session_id)}... is unknown, expired or closed; "
                 "open a new session")
-        if self._clock() - session.last_used > self._ttl:
+        if not session.finished and self._clock() - session.last_used > self._ttl:
+            session.evicted = True
             self.close(session_id)
-            raise SessionNotFound(
-                f"session {short_id(session_id)}... expired after {self._ttl:g} s idle; "
-                "open a new session")
         session.last_used = self._clock()
         return session
 
@@ -147,11 +157,17 @@ class SessionStore:
                      session.num_generated)
         return session
 
+    def idle_lru(self) -> list[Session]:
+        """Live sessions with no round in flight, least recently used first."""
+        idle = [s for s in self._sessions.values() if not s.lock.locked()]
+        return sorted(idle, key=lambda s: s.last_used)
+
     def expire_idle(self) -> int:
         now = self._clock()
         stale = [sid for sid, s in self._sessions.items()
                  if now - s.last_used > self._ttl and not s.lock.locked()]
         for sid in stale:
+            self._sessions[sid].evicted = True
             self.close(sid)
         while self._closed and now - next(iter(self._closed.values())).last_used > self._ttl:
             self._closed.popitem(last=False)

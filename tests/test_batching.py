@@ -140,6 +140,7 @@ def test_kv_budget_is_enforced(target):
 
 
 def test_kv_budget_exhaustion_is_resource_exhausted(target):
+    """A round that cannot fit even after evicting every idle session is refused cleanly."""
     config = VerifierConfig(port=0, kv_budget_bytes=64 * engine_bytes_per_token(target))
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
@@ -147,11 +148,13 @@ def test_kv_budget_exhaustion_is_resource_exhausted(target):
         from shared.pb import verifier_pb2_grpc as pb_grpc
 
         stub = pb_grpc.VerifierStub(channel)
-        req = pb.OpenSessionRequest(prompt_token_ids=[5, 6, 7], first_draft=pb.Draft())
-        stub.OpenSession(req)  # takes the whole budget (64 positions)
+        too_long = pb.OpenSessionRequest(prompt_token_ids=[5] * 80, first_draft=pb.Draft())
         with pytest.raises(grpc.RpcError) as info:
-            stub.OpenSession(req)
+            stub.OpenSession(too_long)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.server.service.engine.kv.bytes_in_use == 0
+        fits = pb.OpenSessionRequest(prompt_token_ids=[5] * 30, first_draft=pb.Draft())
+        assert stub.OpenSession(fits).committed_length == 31
         assert server.server.service.engine.kv.bytes_in_use <= config.kv_budget_bytes
 
 

@@ -1,0 +1,131 @@
+"""Memory and admission: suggested draft length, KV-budget eviction that users cannot see,
+deterministic randomness across a reopen, and the queued-rounds limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from cloud_verifier.batcher import RoundBatcher
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.draft_policy import expected_tokens, suggest_draft_len
+from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.errors import Overloaded
+from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_model import load_target
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+from shared.sampling import SamplingParams
+
+PROMPT = [1, 17, 42, 5, 63, 8]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_pair):
+    return load_target(tiny_llama_pair.target_dir)
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_suggested_draft_length_follows_acceptance_and_load():
+    assert suggest_draft_len(0.0, 1, 8) == 0  # a useless draft only costs compute
+    assert suggest_draft_len(0.9, 1, 8) >= 4  # a good draft, idle server: speculate deep
+    by_load = [suggest_draft_len(0.7, b, 8) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert by_load == sorted(by_load, reverse=True)  # never more drafts under more load
+    assert by_load[0] >= 3 and by_load[-1] <= 1
+    assert all(0 <= suggest_draft_len(a / 10, 4, 6) <= 6 for a in range(11))
+
+
+def test_replies_carry_a_suggested_draft_length(target):
+    with EmbeddedVerifier(target, VerifierConfig(port=0, max_draft_len=8)) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        opened = stub.OpenSession(pb.OpenSessionRequest(
+            prompt_token_ids=PROMPT, first_draft=pb.Draft(token_ids=[90, 91, 92, 93])))
+        # Wrong drafts at an idle server: acceptance falls, and so does the suggestion.
+        assert 0 <= opened.first_round.suggested_draft_len <= 8
+
+
+def test_randomness_is_a_function_of_seed_and_position(target):
+    """A session reopened mid-way with its full context continues exactly as if it had
+    never been interrupted (sampling mode, same drafts)."""
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    store = SessionStore(max_sessions=4, ttl_s=60, on_close=engine.release)
+    params = SamplingParams(temperature=1.0, seed=11)
+
+    def drafts(committed):
+        tokens = [(sum(committed) * (j + 3)) % target.vocab_size for j in range(3)]
+        return DraftRound(tokens, [([t, (t + 1) % target.vocab_size], [0.6, 0.4])
+                                   for t in tokens])
+
+    whole = store.create("me", params, PROMPT, 0, frozenset())
+    for _ in range(8):
+        engine.run_round(whole, drafts(whole.committed))
+    first = store.create("me", params, PROMPT, 0, frozenset())
+    for _ in range(4):
+        engine.run_round(first, drafts(first.committed))
+    reopened = store.create("me", params, list(first.committed), 0, frozenset())
+    while len(reopened.committed) < len(whole.committed):
+        engine.run_round(reopened, drafts(reopened.committed))
+    assert reopened.committed[:len(whole.committed)] == whole.committed
+
+
+def test_eviction_is_lru_and_reopening_keeps_the_output(target):
+    """A KV budget for about two sessions: opening a third evicts the least recently used
+    idle one; its owner reopens with the full context and the output is unchanged."""
+    probe = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    budget = 2 * 64 * probe.kv.bytes_per_token  # two minimum-size buffers
+    config = VerifierConfig(port=0, kv_budget_bytes=budget)
+    with EmbeddedVerifier(target, config) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+
+        def open_(prompt):
+            return stub.OpenSession(pb.OpenSessionRequest(
+                prompt_token_ids=prompt, ignore_eos=True, first_draft=pb.Draft()))
+
+        a = open_(PROMPT)
+        committed = PROMPT + [a.first_round.next_token]
+        open_([3, 4, 5])
+        open_([6, 7, 8])  # needs room: evicts a (least recently used)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(pb.VerifyRequest(session_id=a.session_id, round=1, draft=pb.Draft()))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "evicted" in info.value.details()
+        assert server.server.service.engine.kv.bytes_in_use <= budget
+        reopened = open_(committed)  # the full committed context as the prompt
+        committed.append(reopened.first_round.next_token)
+        for round_no in range(1, 5):
+            reply = stub.Verify(pb.VerifyRequest(session_id=reopened.session_id,
+                                                 round=round_no, draft=pb.Draft()))
+            committed.append(reply.result.next_token)
+        evictions = server.server.metrics.evictions.labels("kv_budget")._value.get()
+    assert evictions >= 1
+    with torch.no_grad():
+        want = target.model.generate(torch.tensor([PROMPT]), max_new_tokens=6,
+                                     do_sample=False, pad_token_id=0)[0].tolist()
+    assert committed == want
+
+
+def test_queued_rounds_beyond_the_limit_are_overloaded(target):
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    store = SessionStore(max_sessions=4, ttl_s=60, on_close=engine.release)
+
+    async def submit_two():
+        batcher = RoundBatcher(engine, VerifierMetrics(), max_queued_rounds=1)
+        s1 = store.create("me", SamplingParams(), PROMPT, 0, frozenset())
+        s2 = store.create("me", SamplingParams(), PROMPT, 0, frozenset())
+        batcher.submit(s1, DraftRound([], None))
+        with pytest.raises(Overloaded):
+            batcher.submit(s2, DraftRound([], None))
+
+    asyncio.run(submit_two())

@@ -230,8 +230,13 @@ class VerifierService(pb_grpc.VerifierServicer):
         reply = pb.OpenSessionResponse(session_id=session.id,
                                        committed_length=len(session.committed))
         if params.first_draft is not None:
-            result = await self._round(session, 0, params.first_draft,
-                                       params.first_draft_digest, False)
+            try:
+                result = await self._round(session, 0, params.first_draft,
+                                           params.first_draft_digest, False)
+            except VerifierError:
+                # The caller never learns the id of a session whose open failed: free it.
+                asyncio.ensure_future(self._close_when_idle(session.id, owner))
+                raise
             reply.first_round.CopyFrom(result_to_pb(result))
             reply.committed_length = result.committed_length
         return reply

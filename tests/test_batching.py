@@ -7,6 +7,7 @@ identical; sampling with the same seeds: the same decisions).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
@@ -160,3 +161,18 @@ def test_kv_budget_exhaustion_is_resource_exhausted(target):
 
 def engine_bytes_per_token(target) -> int:
     return VerifierEngine(target.model, target.vocab_size, target.max_context).kv.bytes_per_token
+
+
+def test_failed_open_leaves_no_session_behind(target):
+    config = VerifierConfig(port=0, kv_budget_bytes=64 * engine_bytes_per_token(target))
+    with EmbeddedVerifier(target, config) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        from shared.pb import verifier_pb2 as pb
+        from shared.pb import verifier_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.VerifierStub(channel)
+        with pytest.raises(grpc.RpcError):
+            stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=[5] * 80,
+                                                   first_draft=pb.Draft()))
+        server.call(asyncio.sleep(0.05))  # let the close run
+        assert len(server.server.service.store) == 0

@@ -23,7 +23,12 @@ import torch
 
 from cloud_verifier.errors import ContextTooLong, KVCacheFull
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
-from cloud_verifier.packed_forward import Segment, check_supported, packed_forward
+from cloud_verifier.packed_forward import (
+    Segment,
+    packed_forward,
+    sequential_forward,
+    supports_packing,
+)
 from cloud_verifier.sessions import Session, position_seed
 from shared.sampling import target_probs
 from shared.verification import sparse_to_dense, verify, verify_greedy
@@ -57,8 +62,11 @@ class VerifierEngine:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int,
                  kv_budget_bytes: int | None = None) -> None:
-        check_supported(model)
         self.model = model
+        self._forward = packed_forward if supports_packing(model) else sequential_forward
+        if self._forward is sequential_forward:
+            log.warning("%s is not Llama-family: verifying one session per forward",
+                        type(model).__name__)
         self.vocab_size = vocab_size
         self.max_context = max_context
         cfg = model.config
@@ -110,7 +118,7 @@ class VerifierEngine:
                                     + draft.tokens, len(draft.tokens) + 1))
         if segments:
             t0 = time.perf_counter_ns()
-            logits = packed_forward(self.model, segments)  # each [K+1, V]
+            logits = self._forward(self.model, segments)  # each [K+1, V]
             forward_ns = time.perf_counter_ns() - t0
             batch_tokens = sum(len(s.tokens) for s in segments)
             for i, rows in zip(ready, logits, strict=True):

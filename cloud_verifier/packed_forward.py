@@ -8,7 +8,9 @@ values are first written into. No session's cache is copied or padded to build t
 
 This drives the modules of a Hugging Face Llama-family model (Llama, Mistral, Qwen2, SmolLM:
 ``model.model.{embed_tokens, layers, norm, rotary_emb}`` with ``self_attn.{q,k,v,o}_proj``)
-directly; ``check_supported`` refuses other architectures with a clear message.
+directly. Other causal LMs go through ``sequential_forward``: one ordinary transformers forward
+per session over a cache built from its buffer. Correct for any model with a standard
+per-layer KV cache, but it copies each session's cache every round.
 """
 
 from __future__ import annotations
@@ -29,16 +31,35 @@ class Segment:
     num_logits: int  # logits wanted for the last num_logits new tokens
 
 
-def check_supported(model: torch.nn.Module) -> None:
+def supports_packing(model: torch.nn.Module) -> bool:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    ok = (inner is not None and layers is not None and hasattr(inner, "rotary_emb")
-          and hasattr(inner, "embed_tokens") and hasattr(model, "lm_head")
-          and all(hasattr(layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
-                                                            "o_proj")))
-    if not ok:
-        raise ValueError(f"{type(model).__name__} is not a Llama-family causal LM; the packed "
-                         "verifier supports Llama, Mistral, Qwen2 and similar architectures")
+    return (inner is not None and layers is not None and hasattr(inner, "rotary_emb")
+            and hasattr(inner, "embed_tokens") and hasattr(model, "lm_head")
+            and all(hasattr(layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
+                                                              "o_proj")))
+
+
+@torch.inference_mode()
+def sequential_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torch.Tensor]:
+    """Same contract as ``packed_forward``, one transformers forward per segment."""
+    from transformers import DynamicCache
+
+    out = []
+    for seg in segments:
+        past, n = seg.kv.length, len(seg.tokens)
+        cache = DynamicCache()
+        for layer in range(seg.kv.buffer.shape[1]):
+            cache.update(seg.kv.keys(layer)[None, :, :past], seg.kv.values(layer)[None, :, :past],
+                         layer)
+        ids = torch.tensor([seg.tokens], device=seg.kv.buffer.device)
+        result = model(input_ids=ids, past_key_values=cache, use_cache=True,
+                       logits_to_keep=seg.num_logits)
+        for layer, cached in enumerate(cache.layers):
+            seg.kv.keys(layer)[:, past:past + n] = cached.keys[0, :, past:past + n]
+            seg.kv.values(layer)[:, past:past + n] = cached.values[0, :, past:past + n]
+        out.append(result.logits[0, -seg.num_logits:].float())
+    return out
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@ import torch
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.engine import DraftRound, VerifierEngine
-from cloud_verifier.packed_forward import Segment, packed_forward
+from cloud_verifier.packed_forward import Segment, packed_forward, sequential_forward
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
 from cloud_verifier.target_model import load_target
@@ -69,17 +69,18 @@ def test_batched_rounds_equal_one_at_a_time(target, sampling):
         run(target, batched=False, sampling=sampling)
 
 
-def test_packed_forward_matches_the_model(target):
-    """Packed logits for three sessions equal the model's own full forward."""
+@pytest.mark.parametrize("forward", [packed_forward, sequential_forward],
+                         ids=["packed", "sequential-fallback"])
+def test_forward_paths_match_the_model(target, forward):
+    """Both forward paths, for three sessions, equal the model's own full forward."""
     engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
     seqs = [prompt(i, target.vocab_size) + [5, 6, 7] for i in (0, 2, 5)]
     kvs = [engine.kv.ensure(None, len(s)) for s in seqs]
-    packed_forward(target.model, [Segment(kv, s[:-3], 1) for kv, s in zip(kvs, seqs,
-                                                                          strict=True)])
+    forward(target.model, [Segment(kv, s[:-3], 1) for kv, s in zip(kvs, seqs, strict=True)])
     for kv, s in zip(kvs, seqs, strict=True):
         kv.length = len(s) - 3
-    out = packed_forward(target.model, [Segment(kv, s[-3:], 3)
-                                        for kv, s in zip(kvs, seqs, strict=True)])
+    out = forward(target.model, [Segment(kv, s[-3:], 3)
+                                 for kv, s in zip(kvs, seqs, strict=True)])
     with torch.no_grad():
         for got, s in zip(out, seqs, strict=True):
             want = target.model(torch.tensor([s])).logits[0, -3:]

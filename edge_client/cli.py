@@ -22,6 +22,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help=f"ONNX draft model directory (default: {default_draft_dir()})")
+    p.add_argument("--drafter", choices=["model", "ngram", "combined"], default="model",
+                   help="who drafts: the ONNX model, prompt lookup (n-gram) in the context, "
+                        "or the n-gram when it matches and the model otherwise")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, draft_len=args.draft_len)
+        top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter)
     draft_dir = args.draft_dir or default_draft_dir()
     # With --json, stdout carries only the JSON object; the text streams to stderr.
     out = sys.stderr if args.json else sys.stdout
@@ -87,6 +90,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_bench_acceptance(args: argparse.Namespace) -> int:
+    from edge_client.bench_acceptance import run_bench_acceptance  # offline tool: needs torch
+
+    return run_bench_acceptance(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-client", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -113,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same draft in PyTorch, for assisted generation")
     bench.add_argument("--target", default=None)
     bench.set_defaults(func=cmd_bench)
+
+    acc = sub.add_parser("bench-acceptance",
+                         help="acceptance of the model, n-gram and combined drafters on "
+                              "held-out prompts, in-process")
+    acc.add_argument("--json", type=Path, required=True, metavar="PATH")
+    acc.add_argument("--prompts", type=int, default=None,
+                     help="use only the first N held-out prompts (default: all)")
+    acc.add_argument("--max-new-tokens", type=int, default=32)
+    acc.add_argument("--draft-len", type=int, default=4, help="K of the measured rounds")
+    acc.add_argument("--draft-dir", type=Path, default=None)
+    acc.add_argument("--target", default=None)
+    acc.add_argument("--threads", type=int, default=None,
+                     help="torch and onnxruntime intra-op threads (default: their own)")
+    acc.set_defaults(func=cmd_bench_acceptance)
     return parser
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.combined_drafter import DRAFTER_KINDS, Drafter, make_drafter
 from edge_client.draft_model import OnnxDraftModel
-from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
+from edge_client.drafter import DraftSampling, Proposal
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 from edge_client.transport import StreamRounds, Transport, UnaryRounds, WireStats
 from shared.pb import verifier_pb2 as pb
@@ -47,8 +48,12 @@ class GenerationConfig:
     max_support: int = 64  # cap on each q's support (see DraftSampling)
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
+    drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
 
     def __post_init__(self) -> None:
+        if self.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, "
+                             f"got {self.drafter!r}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         if self.draft_len < 0:
@@ -165,8 +170,8 @@ class Generation:
     def __iter__(self) -> Iterator[list[int]]:
         cfg, client, stats = self.config, self.client, self.stats
         started = time.perf_counter()
-        drafter = ModelDrafter(
-            client.model,
+        drafter = make_drafter(
+            cfg.drafter, client.model,
             DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_support),
             np.random.default_rng(cfg.seed))
         rounds = (StreamRounds if client.use_stream else UnaryRounds)(client.transport,
@@ -199,7 +204,7 @@ class Generation:
             stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
             stats.wall_s = time.perf_counter() - started
 
-    def _propose(self, drafter: ModelDrafter, committed: list[int]) -> Proposal:
+    def _propose(self, drafter: Drafter, committed: list[int]) -> Proposal:
         cfg = self.config
         remaining = cfg.max_new_tokens - (len(committed) - len(self.prompt_ids))
         room = self.client.info.max_context - len(committed) - 1

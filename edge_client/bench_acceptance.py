@@ -1,0 +1,448 @@
+"""``edge-client bench-acceptance``: how much of each drafter's output the target accepts.
+
+Everything runs in one process, without gRPC: the target in PyTorch behind the verifier's own
+``VerifierEngine`` and ``SessionStore`` (the same math and cache rollback as the server), the
+draft through onnxruntime inside the edge's own drafters (``make_drafter``: model, ngram,
+combined). On the held-out prompts it reports, per drafter:
+
+- alpha, the per-token acceptance: accepted / judged drafts, where a round judges its drafts up
+  to and including the first rejection (drafts after it are never looked at), greedy and at
+  temperature 0.7 / top-p 0.95 with the sparse truncated q the edge sends;
+- acceptance by draft position i = 1..K: accepted / judged among the drafts at position i;
+- mean tokens per round for K = 1..8, greedy, computed exactly by replay: with the target's
+  greedy path known, a greedy round is a prefix comparison, so each K replays the drafter's
+  real proposals (fresh drafter, same cache resyncs) against that path without running the
+  target again. The measured rounds at ``--draft-len`` check the replay.
+
+and for the model draft: its per-token step latency next to the target's (medians, same
+machine), and KL(p || q) and TV(p, q) between the target's and the draft's next-token
+distributions along the target's greedy path (raw softmax; TV also under the sampling settings
+above, where 1 - TV is the expected acceptance of one draft token).
+
+An offline tool: it imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SAMPLED_TEMPERATURE = 0.7
+SAMPLED_TOP_P = 0.95
+MAX_SUPPORT = 64  # the client's default cap on q's support
+REPLAY_KS = tuple(range(1, 9))
+DRAFTERS = ("model", "ngram", "combined")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    ids: list[int]
+    truncated: bool  # cut from the left to fit the context
+
+
+@dataclass
+class Tally:
+    """Acceptance counts of one drafter in one mode, over all prompts."""
+
+    k: int
+    rounds: int = 0
+    new_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    empty_rounds: int = 0  # rounds where the drafter was asked for drafts and proposed none
+    propose_s: list[float] = field(default_factory=list)
+    judged_at: list[int] = field(default_factory=list)  # [K]
+    accepted_at: list[int] = field(default_factory=list)  # [K]
+
+    def __post_init__(self) -> None:
+        self.judged_at = [0] * self.k
+        self.accepted_at = [0] * self.k
+
+    def add(self, asked: int, drafted: int, accepted: int, emitted: int,
+            propose_s: float) -> None:
+        self.rounds += 1
+        self.new_tokens += emitted
+        self.drafted += drafted
+        self.accepted += accepted
+        self.empty_rounds += asked > 0 and drafted == 0
+        self.propose_s.append(propose_s)
+        for i in range(min(accepted + 1, drafted)):
+            self.judged_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def summary(self) -> dict:
+        judged = sum(self.judged_at)
+        return {
+            "alpha": _ratio(self.accepted, judged),
+            "accepted": self.accepted,
+            "judged": judged,
+            "drafted": self.drafted,
+            "acceptance_rate": _ratio(self.accepted, self.drafted),  # the client's statistic
+            "rounds": self.rounds,
+            "rounds_without_proposal": self.empty_rounds,
+            "new_tokens": self.new_tokens,
+            "tokens_per_round": _ratio(self.new_tokens, self.rounds),
+            "propose_ms_median": 1e3 * statistics.median(self.propose_s),
+            "by_position": [
+                {"position": i + 1, "judged": j, "accepted": a, "alpha": _ratio(a, j)}
+                for i, (j, a) in enumerate(zip(self.judged_at, self.accepted_at, strict=True))],
+        }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts
+# --------------------------------------------------------------------------------------------
+
+
+def load_heldout_prompts(limit: int | None) -> tuple[list[tuple[str, bool, str]], str]:
+    """(text, chat, kind) triples and where they came from: the distillation's held-out split
+    when that module exists, the project's built-in chat prompts otherwise.
+
+    A limit takes evenly spaced prompts rather than the first ones, because the split lists
+    its prompts grouped by kind and topic.
+    """
+    try:
+        from edge_client.tools.distill_prompts import prompt_split
+    except ImportError:
+        from shared.prompts import CHAT_PROMPTS
+
+        prompts = [(text, True, "chat") for text in CHAT_PROMPTS]
+        source = "shared.prompts.CHAT_PROMPTS"
+    else:
+        prompts = [(p.text, bool(p.chat), p.kind) for p in prompt_split("heldout")]
+        source = "edge_client.tools.distill_prompts.prompt_split('heldout')"
+    if limit is not None and limit < len(prompts):
+        prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
+    return prompts, source
+
+
+def encode_prompts(tokenizer, prompts: list[tuple[str, bool, str]],
+                   max_len: int) -> list[BenchPrompt]:
+    out = []
+    for text, chat, _ in prompts:
+        ids = tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
+        if not ids:
+            raise ValueError(f"prompt {text[:40]!r} encodes to no tokens")
+        out.append(BenchPrompt(ids[-max_len:], len(ids) > max_len))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+def target_greedy_path(target, prompt: list[int], max_new_tokens: int,
+                       stop_ids: frozenset[int]) -> tuple[list[int], torch.Tensor, list[float]]:
+    """The target's greedy continuation, one cached step per token.
+
+    Returns (path [n], logits [n, V] float32 where row t is the distribution of path[t],
+    seconds of each 1-token step after the prefill).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    feed, path, rows, steps = list(prompt), [], [], []
+    for step in range(max_new_tokens):
+        ids = torch.tensor([feed], dtype=torch.long, device=target.device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = target.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                               logits_to_keep=1)
+        row = out.logits[0, -1].float().cpu()  # [V]
+        if step > 0:
+            steps.append(time.perf_counter() - t0)
+        token = int(row.argmax())
+        path.append(token)
+        rows.append(row)
+        if token in stop_ids:
+            break
+        feed = [token]
+    return path, torch.stack(rows), steps
+
+
+def draft_trace(model, prompt: list[int], path: list[int]) -> tuple[np.ndarray, list[float]]:
+    """The ONNX draft's logits along ``path`` (row t predicts path[t]), and the seconds of each
+    1-token step after the prefill."""
+    cache = model.new_cache()
+    rows = [model.forward(cache, prompt)[-1]]
+    steps = []
+    for token in path[:-1]:
+        t0 = time.perf_counter()
+        rows.append(model.forward(cache, [token])[-1])
+        steps.append(time.perf_counter() - t0)
+    return np.stack(rows), steps  # [n, V]
+
+
+def distances(target_logits: torch.Tensor, draft_logits: np.ndarray) -> dict[str, list[float]]:
+    """Per position: KL(p || q) and TV(p, q) of the raw softmaxes; TV under the sampled mode's
+    shaping (q truncated exactly as the edge samples it); whether the argmaxes agree."""
+    from edge_client.sampling import truncated_distribution
+    from shared.sampling import SamplingParams, target_probs
+
+    p_log = torch.log_softmax(target_logits.double(), dim=-1)  # [n, V]
+    q_log = torch.log_softmax(torch.from_numpy(draft_logits).double(), dim=-1)  # [n, V]
+    p, q = p_log.exp(), q_log.exp()
+    kl = (p * (p_log - q_log)).sum(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    p_s = target_probs(target_logits, SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P))
+    tv_s = []
+    for t in range(draft_logits.shape[0]):
+        ids, probs = truncated_distribution(draft_logits[t], SAMPLED_TEMPERATURE, 0,
+                                            SAMPLED_TOP_P, MAX_SUPPORT)
+        q_s = torch.zeros_like(p_s[t], dtype=torch.float64)
+        q_s[torch.from_numpy(ids)] = torch.from_numpy(probs).double()
+        tv_s.append(0.5 * float((p_s[t].double() - q_s).abs().sum()))
+    agree = (target_logits.argmax(-1) == torch.from_numpy(draft_logits).argmax(-1)).double()
+    return {"kl": kl.tolist(), "tv": tv.tolist(), "tv_sampled": tv_s, "agree": agree.tolist()}
+
+
+def run_rounds(engine, store, drafter, prompt: list[int], params, k: int, max_new_tokens: int,
+               stop_ids: frozenset[int], tally: Tally) -> list[int]:
+    """One generation as the client runs it, against the verifier's engine in-process."""
+    from cloud_verifier.engine import DraftRound
+
+    session = store.create("bench", params, prompt, max_new_tokens, stop_ids)
+    committed = list(prompt)
+    try:
+        while True:
+            remaining = max_new_tokens - (len(committed) - len(prompt))
+            room = engine.max_context - len(committed) - 1
+            kk = max(0, min(k, remaining - 1, room))  # the client's cap (Generation._propose)
+            t0 = time.perf_counter()
+            proposal = drafter.propose(committed, kk)
+            propose_s = time.perf_counter() - t0
+            q = None if proposal.q is None else [
+                (ids.tolist(), probs.tolist()) for ids, probs in proposal.q]
+            outcome = engine.run_round(session, DraftRound(list(proposal.tokens), q))
+            committed.extend(outcome.committed)
+            tally.add(kk, len(proposal.tokens), outcome.num_accepted, len(outcome.committed),
+                      propose_s)
+            if outcome.finished:
+                return committed[len(prompt):]
+    finally:
+        store.close(session.id)
+
+
+def replay_greedy_rounds(drafter, prompt: list[int], path: list[int], k: int,
+                         max_new_tokens: int) -> int:
+    """Rounds a greedy generation of ``path`` takes with drafts of length k.
+
+    Greedy verification accepts the longest prefix of the drafts that equals the target's
+    own continuation, then emits the target's next token, so no target forward is needed.
+    """
+    committed, t, rounds = list(prompt), 0, 0
+    while t < len(path):
+        kk = max(0, min(k, max_new_tokens - t - 1))
+        drafts = drafter.propose(committed, kk).tokens
+        n = 0
+        while n < len(drafts) and t + n < len(path) and drafts[n] == path[t + n]:
+            n += 1
+        emitted = min(n + 1, len(path) - t)
+        committed.extend(path[t:t + emitted])
+        t += emitted
+        rounds += 1
+    return rounds
+
+
+# --------------------------------------------------------------------------------------------
+# The benchmark
+# --------------------------------------------------------------------------------------------
+
+
+def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens: int,
+            draft_len: int, threads: int | None = None) -> dict:
+    from cloud_verifier.engine import VerifierEngine
+    from cloud_verifier.sessions import SessionStore
+    from edge_client.combined_drafter import CombinedDrafter, make_drafter
+    from edge_client.draft_model import OnnxDraftModel
+    from edge_client.drafter import DraftSampling
+    from shared.sampling import SamplingParams
+
+    model = OnnxDraftModel(draft_dir, intra_op_threads=threads)
+    if model.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft outputs {model.vocab_size} logits, the target "
+                         f"{target.vocab_size}")
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    store = SessionStore(max_sessions=4, ttl_s=3600.0)
+    stop_ids = frozenset(target.eos_token_ids)
+    greedy_sampling = DraftSampling()
+    sampled = DraftSampling(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P, MAX_SUPPORT)
+
+    tallies = {(d, mode): Tally(draft_len) for d in DRAFTERS for mode in ("greedy", "sampled")}
+    replay_rounds = {(d, k): 0 for d in DRAFTERS for k in REPLAY_KS}
+    identical = dict.fromkeys(DRAFTERS, 0)
+    ngram_rounds = {"greedy": 0, "sampled": 0}
+    dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [], "agree": []}
+    draft_steps: list[float] = []
+    target_steps: list[float] = []
+    path_tokens = 0
+
+    for index, prompt in enumerate(prompts):
+        ids = prompt.ids
+        log.info("prompt %d/%d (%d tokens)", index + 1, len(prompts), len(ids))
+        path, target_logits, steps = target_greedy_path(target, ids, max_new_tokens, stop_ids)
+        target_steps += steps
+        path_tokens += len(path)
+        draft_logits, steps = draft_trace(model, ids, path)
+        draft_steps += steps
+        for key, values in distances(target_logits, draft_logits).items():
+            dist[key] += values
+
+        for kind in DRAFTERS:
+            for mode, sampling, params in (
+                    ("greedy", greedy_sampling, SamplingParams(seed=index)),
+                    ("sampled", sampled, SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P,
+                                                        seed=index))):
+                drafter = make_drafter(kind, model, sampling, np.random.default_rng(index))
+                out = run_rounds(engine, store, drafter, ids, params, draft_len, max_new_tokens,
+                                 stop_ids, tallies[kind, mode])
+                if mode == "greedy":
+                    identical[kind] += out == path
+                if isinstance(drafter, CombinedDrafter):
+                    ngram_rounds[mode] += drafter.ngram_rounds
+            for k in REPLAY_KS:
+                drafter = make_drafter(kind, model, greedy_sampling, np.random.default_rng(0))
+                replay_rounds[kind, k] += replay_greedy_rounds(drafter, ids, path, k,
+                                                               max_new_tokens)
+
+    drafters = {}
+    for kind in DRAFTERS:
+        entry = {mode: tallies[kind, mode].summary() for mode in ("greedy", "sampled")}
+        entry["greedy"]["identical_to_target"] = identical[kind]
+        entry["greedy_tokens_per_round_by_k"] = {
+            str(k): path_tokens / replay_rounds[kind, k] for k in REPLAY_KS}
+        if kind == "combined":
+            for mode in ("greedy", "sampled"):
+                entry[mode]["ngram_round_share"] = _ratio(ngram_rounds[mode],
+                                                          tallies[kind, mode].rounds)
+        drafters[kind] = entry
+
+    draft_ms = 1e3 * statistics.median(draft_steps) if draft_steps else None
+    target_ms = 1e3 * statistics.median(target_steps) if target_steps else None
+    return {
+        "drafters": drafters,
+        "latency": {
+            "draft_step_ms_median": draft_ms,
+            "target_step_ms_median": target_ms,
+            "draft_over_target": (draft_ms / target_ms) if draft_ms and target_ms else None,
+            "draft_steps": len(draft_steps),
+            "target_steps": len(target_steps),
+        },
+        "model_vs_target": {
+            "positions": len(dist["kl"]),
+            "kl_target_draft_mean": statistics.fmean(dist["kl"]),
+            "tv_mean": statistics.fmean(dist["tv"]),
+            "tv_sampled_mean": statistics.fmean(dist["tv_sampled"]),
+            "expected_sampled_alpha": 1 - statistics.fmean(dist["tv_sampled"]),
+            "greedy_top1_agreement": statistics.fmean(dist["agree"]),
+        },
+        "path_tokens": path_tokens,
+    }
+
+
+def run_bench_acceptance(args: argparse.Namespace) -> int:
+    import onnxruntime
+
+    from cloud_verifier.target_model import load_target
+    from edge_client.tokenizer import EdgeTokenizer
+    from shared.paths import default_draft_dir
+
+    log.setLevel(logging.INFO)  # progress of a long run, whatever --log-level says
+    if not 1 <= args.draft_len <= 64 or args.max_new_tokens < 1:
+        raise SystemExit("--draft-len must be in [1, 64] and --max-new-tokens >= 1")
+    draft_dir = args.draft_dir or default_draft_dir()
+    target = load_target(args.target)
+    texts, source = load_heldout_prompts(args.prompts)
+    if not texts:
+        raise SystemExit(f"no prompts in {source}")
+    max_prompt = target.max_context - args.max_new_tokens - max(REPLAY_KS) - 1
+    prompts = encode_prompts(EdgeTokenizer(draft_dir), texts, max_prompt)
+
+    t0 = time.perf_counter()
+    torch_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        results = measure(target, draft_dir, prompts, args.max_new_tokens, args.draft_len,
+                          args.threads)
+        threads_used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(torch_threads)
+    report = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "torch_threads": threads_used,
+                    "onnxruntime_threads": args.threads or "default",
+                    "device": str(target.device),
+                    "torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
+        "config": {
+            "prompts": len(prompts), "prompt_source": source,
+            "prompt_kinds": dict(Counter(kind for _, _, kind in texts)),
+            "prompts_truncated": sum(p.truncated for p in prompts),
+            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
+            "target": target.name, "draft_dir": str(draft_dir),
+            "sampled": {"temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P,
+                        "top_k": 0, "max_support": MAX_SUPPORT},
+            "tokens_per_round_by_k_method": "exact greedy replay against the target's path",
+        },
+        **results,
+        "wall_s": time.perf_counter() - t0,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(format_report(report))
+    return 0
+
+
+def format_report(report: dict) -> str:
+    def f(v, spec: str = ".3f") -> str:
+        return "-" if v is None else format(v, spec)
+
+    c = report["config"]
+    lines = [f"{c['prompts']} prompts from {c['prompt_source']}, {c['max_new_tokens']} new "
+             f"tokens, K = {c['draft_len']}, sampled = T {SAMPLED_TEMPERATURE} / top-p "
+             f"{SAMPLED_TOP_P}",
+             "",
+             "| drafter | greedy alpha (judged) | sampled alpha (judged) | greedy tok/round | "
+             "sampled tok/round | greedy alpha by position |",
+             "|---|---|---|---|---|---|"]
+    for name, d in report["drafters"].items():
+        g, s = d["greedy"], d["sampled"]
+        by_pos = " ".join(f(p["alpha"], ".2f") for p in g["by_position"])
+        lines.append(f"| {name} | {f(g['alpha'])} ({g['judged']}) | {f(s['alpha'])} "
+                     f"({s['judged']}) | {f(g['tokens_per_round'], '.2f')} | "
+                     f"{f(s['tokens_per_round'], '.2f')} | {by_pos} |")
+    ks = list(next(iter(report["drafters"].values()))["greedy_tokens_per_round_by_k"])
+    lines += ["", "| greedy tokens/round | " + " | ".join(f"K={k}" for k in ks) + " |",
+              "|---|" + "---|" * len(ks)]
+    for name, d in report["drafters"].items():
+        by_k = d["greedy_tokens_per_round_by_k"]
+        lines.append(f"| {name} | " + " | ".join(f(by_k[k], ".2f") for k in ks) + " |")
+    lat, mv = report["latency"], report["model_vs_target"]
+    lines += ["",
+              f"per-token step (median): draft {f(lat['draft_step_ms_median'], '.2f')} ms, "
+              f"target {f(lat['target_step_ms_median'], '.2f')} ms "
+              f"(ratio {f(lat['draft_over_target'])})",
+              f"model draft vs target on the greedy path ({mv['positions']} positions): "
+              f"KL(p||q) {f(mv['kl_target_draft_mean'])}, TV {f(mv['tv_mean'])}, "
+              f"TV sampled {f(mv['tv_sampled_mean'])} (expected sampled alpha "
+              f"{f(mv['expected_sampled_alpha'])}), top-1 agreement "
+              f"{f(mv['greedy_top1_agreement'])}"]
+    return "\n".join(lines)
+

@@ -1,0 +1,84 @@
+"""``edge-client bench-acceptance`` on the tiny pair: the report's fields and ranges, and one
+exact case, a draft that is the target itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+K = 4
+MAX_NEW = 12
+
+
+def run(tmp_path, target_dir, draft_dir, name: str) -> dict:
+    from edge_client.cli import main
+
+    out = tmp_path / f"{name}.json"
+    rc = main(["bench-acceptance", "--json", str(out), "--target", str(target_dir),
+               "--draft-dir", str(draft_dir), "--prompts", "2", "--max-new-tokens",
+               str(MAX_NEW), "--draft-len", str(K), "--threads", "1"])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def in_unit(x) -> bool:
+    return x is None or 0 <= x <= 1
+
+
+@pytest.fixture(scope="module")
+def report(tiny_llama_pair, tmp_path_factory):
+    return run(tmp_path_factory.mktemp("bench"), tiny_llama_pair.target_dir,
+               tiny_llama_pair.draft_dir, "pair")
+
+
+def test_report_fields_and_ranges(report):
+    c = report["config"]
+    assert c["prompts"] == 2 and c["draft_len"] == K and c["max_new_tokens"] == MAX_NEW
+    assert c["prompt_source"]
+    assert set(report["drafters"]) == {"model", "ngram", "combined"}
+    for name, d in report["drafters"].items():
+        for mode in ("greedy", "sampled"):
+            m = d[mode]
+            assert in_unit(m["alpha"]) and in_unit(m["acceptance_rate"]), (name, mode)
+            assert 0 <= m["accepted"] <= m["judged"] <= m["drafted"] <= K * m["rounds"]
+            assert 1 <= m["tokens_per_round"] <= K + 1
+            positions = m["by_position"]
+            assert [p["position"] for p in positions] == list(range(1, K + 1))
+            judged = [p["judged"] for p in positions]
+            assert judged == sorted(judged, reverse=True)  # position i+1 is judged only after i
+            assert sum(judged) == m["judged"]
+            assert all(in_unit(p["alpha"]) for p in positions)
+        # Greedy through the verifier's engine reproduces the target's own greedy path.
+        assert d["greedy"]["identical_to_target"] == 2
+        by_k = d["greedy_tokens_per_round_by_k"]
+        assert list(by_k) == [str(k) for k in range(1, 9)]
+        assert all(1 <= by_k[str(k)] <= k + 1 for k in range(1, 9))
+        # The replay is exact: at K it equals the rounds the engine really ran.
+        assert by_k[str(K)] == pytest.approx(d["greedy"]["tokens_per_round"])
+    assert report["drafters"]["model"]["greedy"]["rounds_without_proposal"] == 0
+    assert 0 <= report["drafters"]["combined"]["greedy"]["ngram_round_share"] <= 1
+    lat = report["latency"]
+    assert lat["draft_step_ms_median"] > 0 and lat["target_step_ms_median"] > 0
+    mv = report["model_vs_target"]
+    assert mv["positions"] == report["path_tokens"] > 0
+    assert mv["kl_target_draft_mean"] >= 0
+    assert 0 <= mv["tv_mean"] <= 1 and 0 <= mv["tv_sampled_mean"] <= 1
+    assert in_unit(mv["greedy_top1_agreement"])
+
+
+def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path):
+    from edge_client.tools.export_draft import export_onnx
+
+    self_draft = export_onnx(tiny_llama_pair.target_dir, tmp_path / "self_onnx")
+    report = run(tmp_path, tiny_llama_pair.target_dir, self_draft, "self")
+    greedy = report["drafters"]["model"]["greedy"]
+    # ONNX and PyTorch differ by float noise only, which moves no argmax here.
+    assert greedy["alpha"] == 1.0
+    assert all(p["alpha"] in (1.0, None) for p in greedy["by_position"])
+    mv = report["model_vs_target"]
+    assert mv["greedy_top1_agreement"] == 1.0
+    assert mv["tv_mean"] < 1e-4 and mv["kl_target_draft_mean"] < 1e-6
+    assert mv["tv_sampled_mean"] < 1e-4
+    # Sampling with q = p accepts unless u lands within float noise of 1.
+    assert report["drafters"]["model"]["sampled"]["alpha"] > 0.95

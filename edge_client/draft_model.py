@@ -10,6 +10,12 @@ outputs ``logits`` [1, n, V] and ``present.{i}.key/.value`` [1, kv_heads, L+n, h
 The graph concatenates past and new keys itself, so the cache is simply its last ``present``.
 Rolling back after rejected draft tokens is an explicit ``DraftKVCache.crop``.
 
+A draft may have a reduced vocabulary (``vocab_map.npz`` beside ``model.onnx``: ``sub_to_full``
+[N] gives each graph id's full id, -1 for an <unk> input slot, and ``full_vocab_size`` V). Its
+head is then much cheaper, at no cost to correctness: q is simply 0 outside the subset.
+``forward`` still takes full-vocabulary ids (others are fed as <unk>) and returns full-width
+logits, -inf outside the subset, so nothing above this module knows.
+
 An onnxruntime IOBinding could skip one copy of the cache per step; plain ``run`` is used
 because the copies are small next to the matmuls for the model sizes used here.
 """
@@ -23,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+VOCAB_MAP_FILE = "vocab_map.npz"
 
 _PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 
@@ -133,6 +141,10 @@ class OnnxDraftModel:
         self._last_only = _static_dim(logits_shape, 1) == 1
         max_pos = config.get("max_position_embeddings")
         self._max_context = int(max_pos) if max_pos is not None else None
+        self._vocab_map: _VocabMap | None = None
+        if (self._model_dir / VOCAB_MAP_FILE).is_file():
+            self._vocab_map = _VocabMap.load(self._model_dir / VOCAB_MAP_FILE, self._vocab_size)
+            self._vocab_size = self._vocab_map.full_vocab_size
 
     @property
     def vocab_size(self) -> int:
@@ -188,12 +200,53 @@ class OnnxDraftModel:
             feed[key_name] = cache.keys[i]
             feed[value_name] = cache.values[i]
 
+        if self._vocab_map is not None:
+            feed["input_ids"] = self._vocab_map.to_sub(ids).astype(self._ids_dtype)[None]
+
         logits, *present = self._session.run(self._output_names, feed)
         if logits.shape[1] != n:
             raise RuntimeError(f"graph returned logits for {logits.shape[1]} positions, fed {n}")
         cache.keys = present[0::2]
         cache.values = present[1::2]
+        if self._vocab_map is not None:
+            return self._vocab_map.to_full_logits(logits[0])  # [n, V]
         return logits[0].astype(np.float32, copy=False)  # [n, V]
+
+
+class _VocabMap:
+    """Between full-vocabulary ids and the ids of a reduced-vocabulary graph."""
+
+    def __init__(self, sub_to_full: np.ndarray, full_vocab_size: int, graph_vocab: int):
+        sub_to_full = np.asarray(sub_to_full, dtype=np.int64)  # [N]
+        if sub_to_full.shape != (graph_vocab,):
+            raise ValueError(f"vocab map has {sub_to_full.size} ids, the graph {graph_vocab}")
+        real = sub_to_full >= 0
+        kept = sub_to_full[real]
+        if kept.size and (kept.max() >= full_vocab_size or np.unique(kept).size != kept.size):
+            raise ValueError("vocab map ids must be distinct and inside the full vocabulary")
+        unk = np.flatnonzero(~real)
+        self.full_vocab_size = int(full_vocab_size)
+        self._sub_ids = np.flatnonzero(real)  # [M] graph ids with a real token
+        self._full_ids = kept  # [M] their full ids
+        # Ids outside the subset are fed as <unk>; without an <unk> slot they are refused.
+        self._full_to_sub = np.full(full_vocab_size, unk[0] if unk.size else -1, np.int64)
+        self._full_to_sub[kept] = self._sub_ids
+
+    @classmethod
+    def load(cls, path: Path, graph_vocab: int) -> _VocabMap:
+        with np.load(path) as z:
+            return cls(z["sub_to_full"], int(z["full_vocab_size"]), graph_vocab)
+
+    def to_sub(self, ids: np.ndarray) -> np.ndarray:
+        sub = self._full_to_sub[ids]
+        if (sub < 0).any():
+            raise ValueError("token id outside the draft's vocabulary and no <unk> slot")
+        return sub
+
+    def to_full_logits(self, logits: np.ndarray) -> np.ndarray:
+        out = np.full((logits.shape[0], self.full_vocab_size), -np.inf, dtype=np.float32)
+        out[:, self._full_ids] = logits[:, self._sub_ids]
+        return out  # [n, V]
 
 
 def _static_dim(shape: Sequence[object], axis: int) -> int | None:

@@ -206,3 +206,84 @@ def test_load_target_default_missing_points_to_prepare(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="edgespec-prepare"):
         load_target(None, device="cpu")
+
+
+# --- reduced-vocabulary drafts (vocab_map.npz) ------------------------------------------------
+
+SUB_VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory) -> tuple[Path, torch.nn.Module, np.ndarray]:
+    """A draft whose graph has 40 ids standing for 39 of the tiny 96 plus an <unk> slot."""
+    from conftest import tiny_llama_config, write_tiny_tokenizer
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("reduced")
+    config = tiny_llama_config(1)
+    config.vocab_size = SUB_VOCAB
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(root / "pt", safe_serialization=True)
+    write_tiny_tokenizer(root / "pt")
+    onnx_dir = export_onnx(root / "pt", root / "onnx")
+    sub_to_full = np.concatenate([[0, 1, 2], np.arange(10, 10 + 2 * (SUB_VOCAB - 4), 2), [-1]])
+    np.savez(onnx_dir / "vocab_map.npz", sub_to_full=sub_to_full, full_vocab_size=96)
+    return onnx_dir, model, sub_to_full
+
+
+def test_vocab_map_keeps_full_vocabulary_ids_and_logits(reduced):
+    onnx_dir, model, sub_to_full = reduced
+    draft = OnnxDraftModel(onnx_dir, intra_op_threads=1)
+    assert draft.vocab_size == 96
+    full_ids = [1, 10, 12, 95, 3, 2]  # 95 and 3 are outside the subset: fed as <unk>
+    unk = SUB_VOCAB - 1
+    sub_ids = [1, 3, 4, unk, unk, 2]
+    logits = draft.forward(draft.new_cache(), full_ids)
+    assert logits.shape == (6, 96) and logits.dtype == np.float32
+
+    kept = sub_to_full[:-1]
+    outside = np.setdiff1d(np.arange(96), kept)
+    assert np.all(np.isneginf(logits[:, outside]))
+    ref = torch_logits(model, sub_ids)  # [6, 40]
+    np.testing.assert_allclose(logits[:, kept], ref[:, :-1], atol=ATOL, rtol=ATOL)
+    assert set(np.argmax(logits, axis=1)) <= set(kept.tolist())
+
+
+def test_vocab_map_incremental_and_crop(reduced):
+    draft = OnnxDraftModel(reduced[0], intra_op_threads=1)
+    ids = [1, 10, 12, 14, 3, 16, 18]
+    full = draft.forward(draft.new_cache(), ids)
+    cache = draft.new_cache()
+    draft.forward(cache, ids[:3] + [95, 96 - 1])
+    cache.crop(3)
+    rows = [draft.forward(cache, ids[3:5]), draft.forward(cache, ids[5:])]
+    np.testing.assert_allclose(np.concatenate(rows), full[3:], atol=ATOL, rtol=ATOL)
+
+
+def test_vocab_map_without_unk_refuses_ids_outside(reduced, tmp_path):
+    import shutil
+
+    onnx_dir, _, sub_to_full = reduced
+    copy = tmp_path / "copy"
+    shutil.copytree(onnx_dir, copy)
+    no_unk = np.concatenate([sub_to_full[:-1], [90]])
+    np.savez(copy / "vocab_map.npz", sub_to_full=no_unk, full_vocab_size=96)
+    draft = OnnxDraftModel(copy, intra_op_threads=1)
+    draft.forward(draft.new_cache(), [90, 1])
+    with pytest.raises(ValueError, match="vocabulary"):
+        draft.forward(draft.new_cache(), [3])
+    with pytest.raises(ValueError, match="out of range"):
+        draft.forward(draft.new_cache(), [96])
+
+
+def test_vocab_map_must_match_the_graph(reduced, tmp_path):
+    import shutil
+
+    onnx_dir, _, sub_to_full = reduced
+    for bad in (sub_to_full[:-2], np.concatenate([sub_to_full[:-2], [10, -1]])):
+        copy = tmp_path / f"bad{len(bad)}"
+        shutil.copytree(onnx_dir, copy)
+        np.savez(copy / "vocab_map.npz", sub_to_full=bad, full_vocab_size=96)
+        with pytest.raises(ValueError, match="vocab map"):
+            OnnxDraftModel(copy)

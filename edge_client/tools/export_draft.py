@@ -12,11 +12,12 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+
+from shared.atomic_dir import staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def build_truncated_draft(target_dir: Path, out_dir: Path, num_layers: int) -> P
         if isinstance(value, list) and len(value) == total and key.startswith("layer"):
             setattr(model.config, key, value[:num_layers])
 
-    with _staging_dir(out_dir) as staged:
+    with staging_dir(out_dir) as staged:
         model.save_pretrained(staged, safe_serialization=True)
         _copy_tokenizer_files(target_dir, staged)
     log.info(
@@ -71,7 +72,7 @@ def export_onnx(pt_dir: Path, onnx_dir: Path) -> Path:
 
     pt_dir, onnx_dir = Path(pt_dir), Path(onnx_dir)
     t0 = time.perf_counter()
-    with _staging_dir(onnx_dir) as staged, _quiet_export():
+    with staging_dir(onnx_dir) as staged, _quiet_export():
         main_export(
             str(pt_dir),
             output=staged,
@@ -91,33 +92,6 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)
-
-
-@contextlib.contextmanager
-def _staging_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty sibling directory of ``final``; rename it to ``final`` on success."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    staged.chmod(0o755)  # mkdtemp makes it private; the published directory should not be
-    try:
-        yield staged
-        _make_readable(staged)
-        if final.exists():
-            trash = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, trash)
-            os.replace(staged, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staged, final)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-
-
-def _make_readable(root: Path) -> None:
-    """safetensors writes its file 0600; a shared cache should be readable like the rest."""
-    for f in root.rglob("*"):
-        if f.is_file():
-            f.chmod(f.stat().st_mode | 0o444)
 
 
 @contextlib.contextmanager

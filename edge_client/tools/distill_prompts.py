@@ -1,0 +1,256 @@
+"""Prompts for distilling the draft, written for this project, with a fixed held-out split.
+
+Variety comes from templates x topics: chat answers, code, lists, short facts, and IME-style
+raw prefixes (what a user is typing; no chat template). The split is by *topic* (and, for the
+IME prefixes, by the prefix itself), decided by a stable hash, so a held-out prompt shares no
+topic with any training prompt. ``shared.prompts.CHAT_PROMPTS`` (the benchmark's prompts) is
+never in the training split.
+
+``prompt_split("heldout")`` is what ``edge-client bench-acceptance`` evaluates on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
+# One topic bucket in HELDOUT_BUCKETS out of NUM_BUCKETS is held out.
+NUM_BUCKETS = 10
+HELDOUT_BUCKETS = frozenset({3})
+
+
+@dataclass(frozen=True)
+class DistillPrompt:
+    text: str
+    kind: str  # "chat", "code", "list", "fact" or "ime"
+    chat: bool  # True: wrap in the chat template; False: raw text prefix
+
+
+# --- chat answers: explanation/advice templates x general topics ------------------------------
+
+_CHAT_TOPICS = (
+    "photosynthesis", "black holes", "the water cycle", "inflation", "vaccines", "volcanoes",
+    "the French Revolution", "machine learning", "compound interest", "plate tectonics",
+    "the immune system", "climate change", "electric cars", "the stock market", "sleep",
+    "meditation", "recycling", "the moon landing", "DNA", "the internet", "solar panels",
+    "earthquakes", "the Roman Empire", "supply and demand", "coffee", "bees", "rainbows",
+    "tides", "the human heart", "antibiotics", "democracy", "the printing press", "jazz music",
+    "chess", "gardening", "budgeting", "public speaking", "time management", "learning a language",
+    "running a marathon", "baking bread", "the northern lights", "gravity", "magnets",
+    "batteries", "cloud computing", "encryption", "blockchains", "the Great Wall of China",
+    "the Amazon rainforest", "coral reefs", "dinosaurs", "evolution", "the speed of light",
+    "nuclear energy", "wind turbines", "3D printing", "remote work", "job interviews",
+    "first aid", "healthy breakfasts", "houseplants", "dogs as pets", "cats as pets",
+    "the Olympic Games", "football", "origami", "photography", "writing a novel",
+    "the periodic table", "viruses", "bacteria", "the ozone layer", "glaciers", "deserts",
+    "hurricanes", "the Renaissance", "ancient Egypt", "the Silk Road", "the Industrial Revolution",
+    "credit scores", "mortgages", "taxes", "saving for retirement", "negotiating a salary",
+    "teamwork", "procrastination", "stress", "hydration", "vitamins", "yoga", "camping",
+    "traveling on a budget", "packing for a trip", "moving to a new city", "making friends",
+    "the scientific method", "probability", "prime numbers", "fractions", "algebra",
+)
+
+_CHAT_TEMPLATES = (
+    "Explain {t} in simple terms.",
+    "What should a beginner know about {t}?",
+    "Write a short paragraph about {t}.",
+    "Why does {t} matter? Answer briefly.",
+    "Give me a one-sentence summary of {t}.",
+    "Explain {t} to a ten-year-old.",
+    "What are common misconceptions about {t}?",
+    "Write a short blog intro about {t}.",
+    "Can you tell me something interesting about {t}?",
+    "How would you describe {t} to a friend?",
+    "What is the history of {t} in a few sentences?",
+    "Write a tweet about {t}.",
+)
+
+# --- code: task templates x languages, plus some concrete tasks --------------------------------
+
+_CODE_LANGS = ("Python", "JavaScript", "C", "Go", "Rust", "Java", "Bash", "TypeScript")
+_CODE_TASKS = (
+    "reverses a string", "checks whether a number is prime", "computes a factorial",
+    "sorts a list of numbers", "counts the words in a sentence", "finds the maximum of a list",
+    "removes duplicates from a list", "reads a file line by line", "computes the average of a list",
+    "checks whether a string is a palindrome", "merges two sorted lists",
+    "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number", "flattens a nested list",
+    "counts the vowels in a string", "finds the greatest common divisor of two numbers",
+    "implements binary search", "validates an email address", "capitalizes every word",
+    "sums the digits of a number", "generates a random password", "transposes a matrix",
+    "checks whether two strings are anagrams", "computes the length of a linked list",
+)
+_CODE_TEMPLATES = (
+    "Write a {lang} function that {task}.",
+    "Show me {lang} code that {task}.",
+    "How do I write a program in {lang} that {task}?",
+)
+_SQL_TASKS = (
+    "Write a SQL query that selects all orders placed in 2024.",
+    "Write a SQL query that finds the ten most expensive products.",
+    "Write a SQL query that joins customers with their orders.",
+    "Write a SQL query that counts users per country.",
+    "Write a SQL query that deletes rows with an empty email column.",
+    "Explain what a LEFT JOIN does in SQL.",
+    "What is the difference between a list and a tuple in Python?",
+    "Explain recursion with a short Python example.",
+    "What does the 'git rebase' command do?",
+    "How do I create a virtual environment in Python?",
+    "Explain what an API is, with a short example.",
+    "What is the difference between TCP and UDP?",
+    "How do I read a JSON file in Python?",
+    "Explain Big O notation with an example.",
+    "What is a race condition?",
+    "How does a for loop work in JavaScript?",
+)
+
+# --- lists: list templates x list subjects ----------------------------------------------------
+
+_LIST_SUBJECTS = (
+    "vegetables that grow well in pots", "famous painters", "European capitals",
+    "ways to save energy at home", "board games for families", "healthy snacks",
+    "programming languages", "musical instruments", "tips for studying", "rainy day activities",
+    "birds found in cities", "ways to reduce plastic waste", "classic novels",
+    "things to pack for the beach", "exercises you can do at home", "herbs for cooking",
+    "questions to ask in a job interview", "uses for baking soda", "ocean animals",
+    "careers in science", "breakfast ideas", "hobbies for retirees", "podcast topics",
+    "names for a pet goldfish", "ways to be more productive", "desserts from France",
+    "inventions of the 20th century", "mammals that live in the Arctic", "kitchen tools",
+    "gift ideas for a teacher", "Linux commands", "team building activities",
+    "signs of dehydration", "spices used in Indian cooking", "national parks in the USA",
+)
+_LIST_TEMPLATES = (
+    "List five {s}.",
+    "Name three {s}.",
+    "Give me a bulleted list of {s}.",
+    "What are some {s}? Give a numbered list.",
+    "Suggest seven {s}, one per line.",
+)
+
+# --- short facts: question templates x entities -----------------------------------------------
+
+_COUNTRIES = (
+    "France", "Japan", "Brazil", "Canada", "Egypt", "India", "Kenya", "Mexico", "Norway",
+    "Australia", "Argentina", "Germany", "Italy", "Spain", "Peru", "Vietnam", "Turkey",
+    "Ireland", "Chile", "Greece", "Poland", "Portugal", "Thailand", "Morocco", "Sweden",
+    "New Zealand", "South Korea", "Nigeria", "Indonesia", "Finland",
+)
+_COUNTRY_FACTS = (
+    "What is the capital of {c}?",
+    "What language is spoken in {c}?",
+    "What currency does {c} use?",
+    "What is {c} famous for? Answer in one sentence.",
+    "On which continent is {c}?",
+)
+_FACT_QUESTIONS = (
+    "How many legs does a spider have?", "What is the boiling point of water in Celsius?",
+    "Who wrote Hamlet?", "What is the largest planet in our solar system?",
+    "How many continents are there?", "What gas do plants absorb from the air?",
+    "What is the chemical symbol for gold?", "How many minutes are in a day?",
+    "What is the tallest mountain on Earth?", "Who painted the Mona Lisa?",
+    "What is the freezing point of water in Fahrenheit?", "How many bones are in the human body?",
+    "What is the square root of 144?", "What is the longest river in Africa?",
+    "Which planet is known as the Red Planet?", "How many sides does a hexagon have?",
+    "What is the smallest prime number?", "Who discovered penicillin?",
+    "What is the hardest natural substance?", "How many hours are in a week?",
+    "What is the main ingredient in guacamole?", "What is 15 percent of 200?",
+    "In what year did World War II end?", "What is the speed of sound in air, roughly?",
+    "What does CPU stand for?", "What is the largest ocean?",
+    "How many strings does a violin have?",
+    "What is the capital of Australia?", "What is H2O commonly called?",
+    "How many teeth does an adult human have?",
+)
+_NUMBERS = (7, 12, 19, 23, 36, 48, 64, 81, 99, 125)
+_ARITH_TEMPLATES = (
+    "What is {a} times {b}?",
+    "What is {a} plus {b}?",
+    "Is {a} an even number?",
+    "Convert {a} kilometers to miles.",
+)
+
+# --- IME: raw prefixes a user might be typing (no chat template) ------------------------------
+
+_IME_STARTS = (
+    "I'll be home around", "Thanks so much for the", "Can you send me the", "Sorry I missed your",
+    "Let's meet at the", "Don't forget to bring", "I think we should", "Happy birthday! I hope",
+    "The meeting has been moved to", "Just a quick reminder that", "I'm running a bit late because",
+    "Could you please", "Hope you're doing well. I wanted to", "The weather today is",
+    "My favorite part of the weekend was", "We need to buy", "Are you free on",
+    "I really enjoyed the", "Please let me know if", "The best way to get there is",
+    "Good morning everyone, today we", "I'm not sure if", "Once upon a time, there was a",
+    "In conclusion, the results show that", "The quick brown fox", "Dear hiring manager, I am",
+    "To install the package, run", "The recipe calls for two cups of", "Our team is excited to",
+    "I have a question about", "It was a dark and stormy night", "The main reason I",
+    "Thank you for your patience while", "Remember to water the", "Can we reschedule our",
+    "The new update includes", "On Monday I will", "My name is Sarah and I",
+    "The train leaves at", "If you have any questions,", "First, preheat the oven to",
+    "The capital of Italy is", "Python is a programming language that", "Call me when you",
+    "I can't believe that", "The store closes at", "Looking forward to seeing",
+    "Water boils at", "The project deadline is", "Sounds good, I'll",
+)
+_IME_NAMES = ("", "Hi Tom, ", "Hey Anna, ", "Hello team, ", "Mom, ", "Hi all, ")
+
+
+def _topic_bucket(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % NUM_BUCKETS
+
+
+def _all_prompts() -> list[tuple[DistillPrompt, str]]:
+    """Every prompt with the key its split is decided by."""
+    out: list[tuple[DistillPrompt, str]] = []
+    for t in _CHAT_TOPICS:
+        for tpl in _CHAT_TEMPLATES:
+            out.append((DistillPrompt(tpl.format(t=t), "chat", True), f"chat:{t}"))
+    for task in _CODE_TASKS:
+        for lang in _CODE_LANGS:
+            for tpl in _CODE_TEMPLATES:
+                out.append((DistillPrompt(tpl.format(lang=lang, task=task), "code", True),
+                            f"code:{task}"))
+    for text in _SQL_TASKS:
+        out.append((DistillPrompt(text, "code", True), f"code1:{text}"))
+    for s in _LIST_SUBJECTS:
+        for tpl in _LIST_TEMPLATES:
+            out.append((DistillPrompt(tpl.format(s=s), "list", True), f"list:{s}"))
+    for c in _COUNTRIES:
+        for tpl in _COUNTRY_FACTS:
+            out.append((DistillPrompt(tpl.format(c=c), "fact", True), f"country:{c}"))
+    for text in _FACT_QUESTIONS:
+        out.append((DistillPrompt(text, "fact", True), f"fact:{text}"))
+    for a in _NUMBERS:
+        for b in _NUMBERS[:5]:
+            for tpl in _ARITH_TEMPLATES:
+                if "{b}" not in tpl and b != _NUMBERS[0]:
+                    continue
+                out.append((DistillPrompt(tpl.format(a=a, b=b), "fact", True), f"num:{a}"))
+    for start in _IME_STARTS:
+        for name in _IME_NAMES:
+            out.append((DistillPrompt(name + start, "ime", False), f"ime:{start}"))
+    return out
+
+
+@cache
+def _split() -> tuple[tuple[DistillPrompt, ...], tuple[DistillPrompt, ...]]:
+    from shared.prompts import CHAT_PROMPTS
+
+    benchmark = set(CHAT_PROMPTS)
+    train, heldout, seen = [], [], set()
+    for prompt, key in _all_prompts():
+        if prompt.text in seen:
+            continue
+        seen.add(prompt.text)
+        if _topic_bucket(key) in HELDOUT_BUCKETS:
+            heldout.append(prompt)
+        elif prompt.text not in benchmark:
+            train.append(prompt)
+    return tuple(train), tuple(heldout)
+
+
+def prompt_split(name: Literal["train", "heldout"]) -> list[DistillPrompt]:
+    """The training or held-out prompts, in a fixed order (deterministic across runs)."""
+    train, heldout = _split()
+    if name == "train":
+        return list(train)
+    if name == "heldout":
+        return list(heldout)
+    raise ValueError(f"split must be 'train' or 'heldout', got {name!r}")

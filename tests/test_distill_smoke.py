@@ -1,0 +1,173 @@
+"""edgespec-distill end to end on tiny random models: data -> train -> export -> int8 -> edge.
+
+Also the resume semantics every stage promises: gen-data skips finished shards, and a training
+run stopped at step N and rerun with more steps continues from its checkpoint, landing on the
+same weights as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.draft_model import OnnxDraftModel
+from edge_client.drafter import DraftSampling, ModelDrafter
+from edge_client.tools.distill import (
+    ArchConfig,
+    ExportConfig,
+    GenConfig,
+    TrainConfig,
+    VocabMap,
+    build_draft,
+    export,
+    gen_data,
+    list_shards,
+    load_samples,
+    onnx_logits_fn,
+    torch_logits_fn,
+    train,
+)
+from edge_client.tools.distill_prompts import DistillPrompt, prompt_split
+
+SUB_VOCAB = 48  # of the tiny 96: exercises the reduced-vocabulary path
+TINY_ARCH = ArchConfig(init="scratch", hidden=32, layers=1, heads=4, kv_heads=2,
+                       intermediate=64, sub_vocab=SUB_VOCAB, max_positions=128)
+
+
+def _prompts(n: int, offset: int = 0) -> list[DistillPrompt]:
+    out = []
+    for i in range(offset, offset + n):
+        words = " ".join(f"t{3 + (7 * i + 5 * j) % 40}" for j in range(3 + i % 4))
+        out.append(DistillPrompt(words, "chat" if i % 2 else "ime", chat=bool(i % 2)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tiny_llama_pair, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("distill")
+    base = GenConfig(target=tiny_llama_pair.target_dir, out=root / "train", shard_size=4,
+                     batch_size=3, max_new_tokens=10, top_k=8, sample_fraction=0.5)
+    gen_data(base, _prompts(8))
+    gen_data(replace(base, out=root / "heldout", sample_fraction=0.0), _prompts(3, offset=50))
+    return {"root": root, "train": root / "train", "heldout": root / "heldout",
+            "target": tiny_llama_pair.target_dir}
+
+
+def _train_cfg(data, run: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(run_dir=run, data=data["train"], heldout=data["heldout"],
+                       target=data["target"], arch=kw.pop("arch", TINY_ARCH), steps=steps,
+                       batch_size=3, lr=1e-2, warmup=1, eval_every=0, log_every=1,
+                       ckpt_every_s=1e9, lr_steps=6, **kw)
+
+
+def test_prompt_split_is_deterministic_and_disjoint():
+    train_set, heldout = prompt_split("train"), prompt_split("heldout")
+    assert len(heldout) >= 100 and len(train_set) >= 1000
+    assert not {p.text for p in train_set} & {p.text for p in heldout}
+    assert prompt_split("heldout") == heldout
+    assert {p.kind for p in train_set} == {"chat", "code", "list", "fact", "ime"}
+    assert all(not p.chat for p in train_set if p.kind == "ime")
+
+
+def test_gen_data_records_sparse_p_per_generated_token(data):
+    shards = list_shards(data["train"])
+    assert [p.name for p in shards] == ["shard-00000.npz", "shard-00001.npz"]
+    samples = load_samples(shards)
+    assert len(samples) == 8 and {s.sampled for s in samples} == {True, False}
+    for s in samples:
+        assert 1 <= len(s.gen_ids) <= 10
+        assert s.topk_ids.shape == s.topk_logp.shape == (len(s.gen_ids), 8)
+        p = np.exp(s.topk_logp.astype(np.float64))
+        assert np.all(np.diff(s.topk_logp.astype(np.float64), axis=1) <= 1e-3)  # descending
+        assert np.all(p.sum(1) <= 1 + 1e-2)
+        if not s.sampled:  # greedy rows took p's argmax
+            np.testing.assert_array_equal(s.gen_ids, s.topk_ids[:, 0])
+    manifest = json.loads((data["train"] / "manifest.json").read_text())
+    assert manifest["total_prompts"] == 8
+
+
+def test_gen_data_resume_skips_finished_shards(data, tiny_llama_pair):
+    first, second = list_shards(data["train"])
+    before = first.stat().st_mtime_ns
+    kept = second.read_bytes()
+    second.unlink()
+    gen_data(GenConfig(target=tiny_llama_pair.target_dir, out=data["train"], shard_size=4,
+                       batch_size=3, max_new_tokens=10, top_k=8, sample_fraction=0.5),
+             _prompts(8))
+    assert first.stat().st_mtime_ns == before
+    assert second.read_bytes() == kept  # regenerated identically (seeded)
+
+
+def test_train_export_quantize_and_draft_on_the_edge(data, tmp_path):
+    state = train(_train_cfg(data, tmp_path / "run", steps=4))
+    assert state["step"] == 4
+    vmap = VocabMap.load(tmp_path / "run" / "vocab_map.npz")
+    assert vmap.size <= SUB_VOCAB and vmap.full_vocab_size == 96
+    assert (vmap.sub_to_full < 0).sum() == 1
+
+    results = export(ExportConfig(tmp_path / "run", tmp_path / "draft", data["heldout"],
+                                  data["target"], fp32_out=tmp_path / "fp32"))
+    assert results["target_step_ms"] > 0
+    out = tmp_path / "draft"
+    for name in ("model.onnx", "vocab_map.npz", "tokenizer.json", "MODEL_CARD.md", "config.json"):
+        assert (out / name).is_file(), name
+    assert results["int8"]["tokens"] == results["fp32"]["tokens"] > 0
+    assert "greedy_alpha" in (out / "MODEL_CARD.md").read_text()
+
+    # fp32 ONNX equals the PyTorch draft, through the vocabulary map.
+    ck = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    model = build_draft(TINY_ARCH, data["target"], vmap, 0)
+    model.load_state_dict(ck["model"])
+    ids = np.array([1, 5, 9, 80, 33, 2])  # 80 may be outside the subset: fed as <unk>
+    ref = torch_logits_fn(model.eval(), vmap)(ids)
+    got = onnx_logits_fn(tmp_path / "fp32")(ids)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(got[finite], ref[finite], atol=1e-4, rtol=1e-4)
+
+    # The int8 draft runs in the edge runtime, full-vocabulary in and out.
+    edge = OnnxDraftModel(out, intra_op_threads=1)
+    assert edge.vocab_size == 96
+    logits = edge.forward(edge.new_cache(), ids.tolist())
+    assert logits.shape == (6, 96) and np.isneginf(logits).sum(1).min() >= 96 - SUB_VOCAB
+    for temperature in (0.0, 0.8):
+        drafter = ModelDrafter(edge, DraftSampling(temperature=temperature),
+                               np.random.default_rng(0))
+        proposal = drafter.propose([1, 5, 9], k=3)
+        assert len(proposal.tokens) == 3
+        assert all(t in set(vmap.sub_to_full[vmap.sub_to_full >= 0]) for t in proposal.tokens)
+
+
+def test_train_resume_continues_from_checkpoint(data, tmp_path):
+    interrupted, straight = tmp_path / "a", tmp_path / "b"
+    assert train(_train_cfg(data, interrupted, steps=3))["step"] == 3
+    state = train(_train_cfg(data, interrupted, steps=6))
+    assert state["step"] == 6 and state["epoch"] >= 1  # 8 samples / batch 3: epoch 0 has 3
+    steps = [json.loads(line)["step"] for line in (interrupted / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # nothing redone, nothing skipped
+
+    train(_train_cfg(data, straight, steps=6))
+    a = torch.load(interrupted / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(straight / "ckpt.pt", weights_only=False)["model"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_target_init_copies_embeddings_and_layers(data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    arch = ArchConfig(init="target", target_layers=(1,), sub_vocab=SUB_VOCAB, max_positions=128)
+    vmap = VocabMap(np.concatenate([np.arange(10, 10 + SUB_VOCAB - 1), [-1]]), 96)
+    draft = build_draft(arch, data["target"], vmap, 0)
+    target = AutoModelForCausalLM.from_pretrained(data["target"])
+    emb = target.get_input_embeddings().weight
+    rows = draft.get_input_embeddings().weight[:-1]
+    torch.testing.assert_close(rows, emb[10 : 10 + SUB_VOCAB - 1])
+    assert draft.lm_head.weight.data_ptr() == draft.get_input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(draft.model.layers[0].mlp.up_proj.weight,
+                               target.model.layers[1].mlp.up_proj.weight)

@@ -71,6 +71,15 @@ class RoundBatcher:
         return ticket
 
     async def run_forever(self) -> None:
+        try:
+            await self._serve()
+        finally:  # shutting down: rounds still queued will not run
+            while self._queue:
+                ticket = self._queue.popleft()
+                if not ticket.future.done():
+                    ticket.future.set_exception(RoundAbandoned())
+
+    async def _serve(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()

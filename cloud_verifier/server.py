@@ -89,8 +89,10 @@ class VerifierServer:
         await self.begin_drain()
         if self._server is not None:
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+        await self.service.finish_background()
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         log.info("verifier stopped")
 
     async def wait(self) -> None:

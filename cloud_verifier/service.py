@@ -124,6 +124,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                                   on_close=engine.release)
         self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context)
         self.draining = False
+        self._background: set[asyncio.Task] = set()
         # Rounds of all sessions queue here and share forwards.
         self.batcher = RoundBatcher(engine, metrics, config.max_batch_tokens,
                                     config.gather_window_s, config.max_queued_rounds,
@@ -189,7 +190,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                         raise InvalidRequest("empty SessionRequest: set open or verify")
         finally:
             if session_id:  # the stream ended first: close once no round is running
-                asyncio.ensure_future(self._close_when_idle(session_id, owner))
+                self._spawn(self._close_when_idle(session_id, owner))
 
     async def Generate(self, request: pb.GenerateRequest, context):
         """Cloud-only decoding: K = 0 rounds through the same batcher, one token each."""
@@ -210,7 +211,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                         break
         finally:
             if session is not None and not session.finished:
-                asyncio.ensure_future(self._close_when_idle(session.id, session.owner))
+                self._spawn(self._close_when_idle(session.id, session.owner))
 
     # -- shared bodies ----------------------------------------------------------------------
 
@@ -235,7 +236,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                                            params.first_draft_digest, False)
             except VerifierError:
                 # The caller never learns the id of a session whose open failed: free it.
-                asyncio.ensure_future(self._close_when_idle(session.id, owner))
+                self._spawn(self._close_when_idle(session.id, owner))
                 raise
             reply.first_round.CopyFrom(result_to_pb(result))
             reply.committed_length = result.committed_length
@@ -257,8 +258,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         caller goes away before the forward starts, the round is dropped unapplied.
         """
         ticket: list[Ticket] = []
-        task = asyncio.ensure_future(self._locked_round(session, round_no, draft, digest,
-                                                        close, ticket))
+        task = self._spawn(self._locked_round(session, round_no, draft, digest, close, ticket))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -344,6 +344,20 @@ class VerifierService(pb_grpc.VerifierServicer):
             session.evicted = True
             self._close(session)
             self.metrics.evictions.labels("kv_budget").inc()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        """A task the service owns: tracked until done, its outcome always consumed (the
+        caller that would have awaited it may be gone), awaited at shutdown."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def finish_background(self) -> None:
+        """Lets tracked tasks (rounds in flight, pending closes) end; for shutdown."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5)
 
     async def _close_when_idle(self, session_id: str, owner: str) -> None:
         try:

@@ -96,7 +96,22 @@ def cmd_bench_acceptance(args: argparse.Namespace) -> int:
     return run_bench_acceptance(args)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from edge_client.fleet import cmd_fleet as run_fleet_cli
+
+    return run_fleet_cli(args)
+
+
+def cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from edge_client.bench_fleet import cmd_bench_fleet as run_bench_fleet_cli
+
+    return run_bench_fleet_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edge_client.bench_fleet import add_bench_fleet_args
+    from edge_client.fleet import add_fleet_args
+
     parser = argparse.ArgumentParser(prog="edge-client", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--threads", type=int, default=None,
                      help="torch and onnxruntime intra-op threads (default: their own)")
     acc.set_defaults(func=cmd_bench_acceptance)
+
+    fleet = sub.add_parser("fleet", help="N simulated edge devices (network profiles, "
+                                         "workloads) load-testing a verifier over gRPC")
+    add_fleet_args(fleet)
+    fleet.set_defaults(func=cmd_fleet)
+
+    bench_fleet = sub.add_parser("bench-fleet", help="capacity sweep over client counts: "
+                                                     "speculative vs cloud-only, per profile")
+    add_bench_fleet_args(bench_fleet)
+    bench_fleet.set_defaults(func=cmd_bench_fleet)
     return parser
 
 

@@ -24,6 +24,12 @@ import numpy as np
 from edge_client.combined_drafter import DRAFTER_KINDS, Drafter, make_drafter
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, Proposal
+from edge_client.rounds import (  # noqa: F401 - ProtocolError is part of this module's API
+    GenerationRounds,
+    ProtocolError,
+    ServerLimits,
+    SessionParams,
+)
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 from edge_client.transport import StreamRounds, Transport, UnaryRounds, WireStats
 from shared.pb import verifier_pb2 as pb
@@ -31,10 +37,6 @@ from shared.pb import verifier_pb2 as pb
 
 class IncompatibleVerifier(RuntimeError):
     """The verifier's model does not share this client's tokenizer or vocabulary."""
-
-
-class ProtocolError(RuntimeError):
-    """The verifier's reply is inconsistent with the request."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
+    # Cap K by the server's RoundResult.suggested_draft_len. Off by default: the suggestion
+    # depends on server load, so sampled outputs would no longer be a function of the seed.
+    follow_suggested_draft_len: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTER_KINDS:
@@ -95,13 +100,6 @@ class GenerationStats:
         d["tokens_per_round"] = self.tokens_per_round
         d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
         return d
-
-
-def _draft_pb(proposal: Proposal) -> pb.Draft:
-    draft = pb.Draft(token_ids=proposal.tokens)
-    for ids, probs in proposal.q or ():
-        draft.q.add(token_ids=ids.tolist(), probs=probs.tolist())
-    return draft
 
 
 class EdgeClient:
@@ -176,27 +174,26 @@ class Generation:
             np.random.default_rng(cfg.seed))
         rounds = (StreamRounds if client.use_stream else UnaryRounds)(client.transport,
                                                                        self.wire)
-        committed = list(self.prompt_ids)
+        state = GenerationRounds(
+            self.prompt_ids,
+            SessionParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                          top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
+                          stop_token_ids=tuple(cfg.stop_token_ids), ignore_eos=cfg.ignore_eos),
+            ServerLimits.from_info(client.info), cfg.draft_len,
+            follow_suggestion=cfg.follow_suggested_draft_len)
         try:
-            proposal = self._propose(drafter, committed)
-            opened = rounds.open(pb.OpenSessionRequest(
-                prompt_token_ids=committed,
-                sampling=pb.SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k,
-                                           top_p=cfg.top_p, seed=cfg.seed),
-                max_new_tokens=cfg.max_new_tokens, stop_token_ids=list(cfg.stop_token_ids),
-                ignore_eos=cfg.ignore_eos, first_draft=_draft_pb(proposal)))
+            proposal = self._propose(drafter, state)
+            opened = rounds.open(state.open_request(proposal))
             session_id, result = opened.session_id, opened.first_round
-            round_no = 0
             while True:
-                new = self._apply(committed, proposal, result)
+                new = state.apply(proposal, result)
+                self.token_ids.extend(new)
                 self._account(result, len(proposal.tokens), len(new))
                 yield new
-                if result.finished:
+                if state.finished:
                     break
-                round_no += 1
-                proposal = self._propose(drafter, committed)
-                result = rounds.verify(pb.VerifyRequest(
-                    session_id=session_id, round=round_no, draft=_draft_pb(proposal))).result
+                proposal = self._propose(drafter, state)
+                result = rounds.verify(state.verify_request(session_id, proposal)).result
         finally:
             rounds.end()
             stats.round_trips = self.wire.round_trips
@@ -204,29 +201,11 @@ class Generation:
             stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
             stats.wall_s = time.perf_counter() - started
 
-    def _propose(self, drafter: Drafter, committed: list[int]) -> Proposal:
-        cfg = self.config
-        remaining = cfg.max_new_tokens - (len(committed) - len(self.prompt_ids))
-        room = self.client.info.max_context - len(committed) - 1
-        k = max(0, min(cfg.draft_len, self.client.info.max_draft_len, remaining - 1, room))
+    def _propose(self, drafter: Drafter, state: GenerationRounds) -> Proposal:
         t0 = time.perf_counter()
-        proposal = drafter.propose(committed, k)
+        proposal = drafter.propose(state.committed, state.next_k())
         self.stats.draft_s += time.perf_counter() - t0
         return proposal
-
-    def _apply(self, committed: list[int], proposal: Proposal, result: pb.RoundResult):
-        k, n = len(proposal.tokens), result.num_accepted
-        if n > k or not 0 <= result.next_token < self.client.info.vocab_size:
-            raise ProtocolError(f"reply accepts {n} of {k} drafts with next token "
-                                f"{result.next_token}")
-        new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
-                                                           - len(committed)]
-        if len(committed) + len(new) != result.committed_length or not new:
-            raise ProtocolError(f"reply says committed length {result.committed_length}, "
-                                f"the client has {len(committed)} + {len(new)}")
-        committed.extend(new)
-        self.token_ids.extend(new)
-        return new
 
     def _account(self, result: pb.RoundResult, k: int, emitted: int) -> None:
         s = self.stats

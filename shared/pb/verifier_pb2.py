@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65\x64gespec/v1/verifier.proto\x12\x0b\x65\x64gespec.v1\"\x10\n\x0eGetInfoRequest\"\xc6\x01\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_draft_len\x18\x05 \x01(\r\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05modes\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"F\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.edgespec.v1.SparseDistribution\"\xca\x01\n\x12OpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\'\n\x0b\x66irst_draft\x18\x06 \x01(\x0b\x32\x12.edgespec.v1.Draft\".\n\x06Timing\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"\xcd\x01\n\x0bRoundResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x17\n\x0ftarget_forwards\x18\x06 \x01(\r\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.edgespec.v1.Timing\x12\x1b\n\x13suggested_draft_len\x18\x08 \x01(\r\"r\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12-\n\x0b\x66irst_round\x18\x03 \x01(\x0b\x32\x18.edgespec.v1.RoundResult\"d\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12!\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x12.edgespec.v1.Draft\x12\r\n\x05\x63lose\x18\x04 \x01(\x08\":\n\x0eVerifyResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.edgespec.v1.RoundResult\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x14\x43loseSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\"w\n\x0eSessionRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.edgespec.v1.OpenSessionRequestH\x00\x12,\n\x06verify\x18\x02 \x01(\x0b\x32\x1a.edgespec.v1.VerifyRequestH\x00\x42\x06\n\x04kind\"~\n\x0fSessionResponse\x12\x32\n\x06opened\x18\x01 \x01(\x0b\x32 .edgespec.v1.OpenSessionResponseH\x00\x12/\n\x08verified\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.VerifyResponseH\x00\x42\x06\n\x04kind\"\x9e\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12#\n\x06timing\x18\x04 \x01(\x0b\x32\x13.edgespec.v1.Timing2\xcf\x03\n\x08Verifier\x12\x44\n\x07GetInfo\x12\x1b.edgespec.v1.GetInfoRequest\x1a\x1c.edgespec.v1.GetInfoResponse\x12P\n\x0bOpenSession\x12\x1f.edgespec.v1.OpenSessionRequest\x1a .edgespec.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.edgespec.v1.VerifyRequest\x1a\x1b.edgespec.v1.VerifyResponse\x12S\n\x0c\x43loseSession\x12 .edgespec.v1.CloseSessionRequest\x1a!.edgespec.v1.CloseSessionResponse\x12H\n\x07Session\x12\x1b.edgespec.v1.SessionRequest\x1a\x1c.edgespec.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1c.edgespec.v1.GenerateRequest\x1a\x1d.edgespec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65\x64gespec/v1/verifier.proto\x12\x0b\x65\x64gespec.v1\"\x10\n\x0eGetInfoRequest\"\xc6\x01\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_draft_len\x18\x05 \x01(\r\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05modes\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"F\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.edgespec.v1.SparseDistribution\"\xca\x01\n\x12OpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\'\n\x0b\x66irst_draft\x18\x06 \x01(\x0b\x32\x12.edgespec.v1.Draft\".\n\x06Timing\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"\xea\x01\n\x0bRoundResult\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x17\n\x0ftarget_forwards\x18\x06 \x01(\r\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.edgespec.v1.Timing\x12 \n\x13suggested_draft_len\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x16\n\x14_suggested_draft_len\"r\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12-\n\x0b\x66irst_round\x18\x03 \x01(\x0b\x32\x18.edgespec.v1.RoundResult\"d\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12!\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x12.edgespec.v1.Draft\x12\r\n\x05\x63lose\x18\x04 \x01(\x08\":\n\x0eVerifyResponse\x12(\n\x06result\x18\x01 \x01(\x0b\x32\x18.edgespec.v1.RoundResult\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"0\n\x14\x43loseSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\"w\n\x0eSessionRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.edgespec.v1.OpenSessionRequestH\x00\x12,\n\x06verify\x18\x02 \x01(\x0b\x32\x1a.edgespec.v1.VerifyRequestH\x00\x42\x06\n\x04kind\"~\n\x0fSessionResponse\x12\x32\n\x06opened\x18\x01 \x01(\x0b\x32 .edgespec.v1.OpenSessionResponseH\x00\x12/\n\x08verified\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.VerifyResponseH\x00\x42\x06\n\x04kind\"\x9e\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"v\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12#\n\x06timing\x18\x04 \x01(\x0b\x32\x13.edgespec.v1.Timing2\xcf\x03\n\x08Verifier\x12\x44\n\x07GetInfo\x12\x1b.edgespec.v1.GetInfoRequest\x1a\x1c.edgespec.v1.GetInfoResponse\x12P\n\x0bOpenSession\x12\x1f.edgespec.v1.OpenSessionRequest\x1a .edgespec.v1.OpenSessionResponse\x12\x41\n\x06Verify\x12\x1a.edgespec.v1.VerifyRequest\x1a\x1b.edgespec.v1.VerifyResponse\x12S\n\x0c\x43loseSession\x12 .edgespec.v1.CloseSessionRequest\x1a!.edgespec.v1.CloseSessionResponse\x12H\n\x07Session\x12\x1b.edgespec.v1.SessionRequest\x1a\x1c.edgespec.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1c.edgespec.v1.GenerateRequest\x1a\x1d.edgespec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,25 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMING']._serialized_start=678
   _globals['_TIMING']._serialized_end=724
   _globals['_ROUNDRESULT']._serialized_start=727
-  _globals['_ROUNDRESULT']._serialized_end=932
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=934
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1048
-  _globals['_VERIFYREQUEST']._serialized_start=1050
-  _globals['_VERIFYREQUEST']._serialized_end=1150
-  _globals['_VERIFYRESPONSE']._serialized_start=1152
-  _globals['_VERIFYRESPONSE']._serialized_end=1210
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1212
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1253
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1255
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1303
-  _globals['_SESSIONREQUEST']._serialized_start=1305
-  _globals['_SESSIONREQUEST']._serialized_end=1424
-  _globals['_SESSIONRESPONSE']._serialized_start=1426
-  _globals['_SESSIONRESPONSE']._serialized_end=1552
-  _globals['_GENERATEREQUEST']._serialized_start=1555
-  _globals['_GENERATEREQUEST']._serialized_end=1713
-  _globals['_GENERATERESPONSE']._serialized_start=1715
-  _globals['_GENERATERESPONSE']._serialized_end=1833
-  _globals['_VERIFIER']._serialized_start=1836
-  _globals['_VERIFIER']._serialized_end=2299
+  _globals['_ROUNDRESULT']._serialized_end=961
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=963
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1077
+  _globals['_VERIFYREQUEST']._serialized_start=1079
+  _globals['_VERIFYREQUEST']._serialized_end=1179
+  _globals['_VERIFYRESPONSE']._serialized_start=1181
+  _globals['_VERIFYRESPONSE']._serialized_end=1239
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1241
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1282
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1284
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1332
+  _globals['_SESSIONREQUEST']._serialized_start=1334
+  _globals['_SESSIONREQUEST']._serialized_end=1453
+  _globals['_SESSIONRESPONSE']._serialized_start=1455
+  _globals['_SESSIONRESPONSE']._serialized_end=1581
+  _globals['_GENERATEREQUEST']._serialized_start=1584
+  _globals['_GENERATEREQUEST']._serialized_end=1742
+  _globals['_GENERATERESPONSE']._serialized_start=1744
+  _globals['_GENERATERESPONSE']._serialized_end=1862
+  _globals['_VERIFIER']._serialized_start=1865
+  _globals['_VERIFIER']._serialized_end=2328
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,147 @@
+"""The round logic of one speculative generation, free of I/O: which K to draft, the
+OpenSession / Verify requests to send, and how a RoundResult is applied to the committed
+tokens. Both the sync client (edge_client.client) and the simulated fleet
+(edge_client.fleet) drive generations through it, so there is one implementation of the
+protocol's client side.
+
+Round numbers: a session's rounds are 0, 1, 2, ...; round 0 rides on OpenSession as its
+first draft. After an eviction (NOT_FOUND, "evicted") the generation reopens: a new session
+whose prompt is the full committed context, with the same sampling parameters and seed,
+max_new_tokens = what remains, the same stop ids, and the pending draft as its first draft.
+Its rounds start again at 0. The server's randomness depends only on (seed, committed
+length), so a reopened generation commits exactly what the evicted one would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge_client.drafter import Proposal
+from shared.pb import verifier_pb2 as pb
+
+
+class ProtocolError(RuntimeError):
+    """The verifier's reply is inconsistent with the request."""
+
+
+@dataclass(frozen=True)
+class SessionParams:
+    """What a session is opened with; the same on every reopen."""
+
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    vocab_size: int
+    max_draft_len: int
+    max_context: int
+
+    @classmethod
+    def from_info(cls, info: pb.GetInfoResponse) -> ServerLimits:
+        return cls(info.vocab_size, info.max_draft_len, info.max_context)
+
+
+def draft_to_pb(proposal: Proposal) -> pb.Draft:
+    draft = pb.Draft(token_ids=proposal.tokens)
+    for ids, probs in proposal.q or ():
+        draft.q.add(token_ids=ids.tolist(), probs=probs.tolist())
+    return draft
+
+
+class GenerationRounds:
+    """The committed tokens of one generation and the protocol state around them."""
+
+    def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
+                 draft_len: int, follow_suggestion: bool = True) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if draft_len < 0:
+            raise ValueError("draft_len must be >= 0")
+        self.params = params
+        self.limits = limits
+        self.draft_len = draft_len
+        # The server's suggestion depends on its load, so following it makes sampled outputs
+        # depend on load too (still exact in distribution); off keeps them a function of
+        # the seed alone.
+        self.follow_suggestion = follow_suggestion
+        self.prompt_len = len(prompt_ids)
+        self.committed = list(prompt_ids)  # prompt + generated
+        self.round_no = 0  # the number of the next round of the current session
+        self.suggested: int | None = None  # the last reply's suggested_draft_len
+        self.finished = False
+        self.reopens = 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - (len(self.committed) - self.prompt_len)
+
+    def next_k(self) -> int:
+        """K for the next round: ours, capped by the server's suggestion and the room left."""
+        k = self.draft_len
+        if self.follow_suggestion and self.suggested is not None:
+            k = min(k, self.suggested)
+        room = self.limits.max_context - len(self.committed) - 1
+        return max(0, min(k, self.limits.max_draft_len, self.remaining - 1, room))
+
+    def open_request(self, proposal: Proposal) -> pb.OpenSessionRequest:
+        """Opens (or reopens) a session over everything committed so far."""
+        p = self.params
+        self.round_no = 0
+        return pb.OpenSessionRequest(
+            prompt_token_ids=self.committed,
+            sampling=pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
+                                       top_p=p.top_p, seed=p.seed),
+            max_new_tokens=self.remaining, stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos, first_draft=draft_to_pb(proposal))
+
+    def reopen_request(self, proposal: Proposal) -> pb.OpenSessionRequest:
+        """After an eviction: the same generation on a new session, nothing lost."""
+        self.reopens += 1
+        return self.open_request(proposal)
+
+    def verify_request(self, session_id: str, proposal: Proposal) -> pb.VerifyRequest:
+        return pb.VerifyRequest(session_id=session_id, round=self.round_no,
+                                draft=draft_to_pb(proposal))
+
+    def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
+        """Commits d_1..d_n + the next token (cut where the server says it finished);
+        returns the new tokens."""
+        if self.finished:
+            raise ProtocolError("a round result arrived after the generation finished")
+        k, n = len(proposal.tokens), result.num_accepted
+        if result.round != self.round_no:
+            raise ProtocolError(f"reply answers round {result.round}, the client sent round "
+                                f"{self.round_no}")
+        if n > k or not 0 <= result.next_token < self.limits.vocab_size:
+            raise ProtocolError(f"reply accepts {n} of {k} drafts with next token "
+                                f"{result.next_token}")
+        new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
+                                                           - len(self.committed)]
+        if len(self.committed) + len(new) != result.committed_length or not new:
+            raise ProtocolError(f"reply says committed length {result.committed_length}, "
+                                f"the client has {len(self.committed)} + {len(new)}")
+        self.committed.extend(new)
+        if self.remaining < 0 or (self.remaining == 0 and not result.finished):
+            raise ProtocolError(f"{len(self.generated)} tokens generated of "
+                                f"{self.params.max_new_tokens} and the reply says finished="
+                                f"{result.finished}")
+        self.round_no += 1
+        self.suggested = (result.suggested_draft_len
+                          if result.HasField("suggested_draft_len") else None)
+        self.finished = result.finished
+        return new

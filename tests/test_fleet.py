@@ -1,0 +1,353 @@
+"""The simulated edge fleet: network emulation statistics, the I/O-free round logic, and
+short fleet runs over real gRPC against an in-process verifier with tiny random models."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.target_model import load_target
+from edge_client.drafter import Proposal
+from edge_client.fleet import FleetConfig, NotLoopback, require_loopback, run_fleet_async
+from edge_client.netem import PROFILES, Link, NetEm
+from edge_client.rounds import GenerationRounds, ProtocolError, ServerLimits, SessionParams
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+
+AGGREGATE_KEYS = ("tokens_per_s", "tpot_ms_p50", "tpot_ms_p95", "tpot_ms_p99", "ttft_ms_p50",
+                  "round_trips_per_token", "target_forwards_per_token", "bytes_per_token",
+                  "errors")
+
+
+# -- network emulation --------------------------------------------------------------------------
+
+
+def test_netem_rtt_mean_and_jitter_match_the_profile():
+    """n = 20000 RTTs of small messages on the 4g profile without loss: the mean RTT is
+    within 2 % of rtt_ms, and the mean |RTT_i - RTT_{i-1}| within 4 % of jitter_ms."""
+    prof = dataclasses.replace(PROFILES["4g"], loss=0.0, up_mbps=0.0, down_mbps=0.0)
+    net = NetEm(prof, np.random.default_rng(1))
+    rtts = np.array([net.up.one_way_s(0) + net.down.one_way_s(0) for _ in range(20000)]) * 1000
+    assert abs(rtts.mean() - prof.rtt_ms) < 0.02 * prof.rtt_ms
+    jitter = np.abs(np.diff(rtts)).mean()
+    assert abs(jitter - prof.jitter_ms) < 0.04 * prof.jitter_ms
+    assert rtts.min() >= 2 * prof.propagation_s * 1000 - 1e-9
+
+
+def test_netem_loss_costs_a_retransmission_timeout():
+    """n = 20000 one-segment messages at loss p = 0.05 with no jitter: a message is late by
+    at least one RTO with probability p (|count - n p| <= 5 sqrt(n p (1 - p))), else on time."""
+    prof = dataclasses.replace(PROFILES["3g-poor"], jitter_ms=0.0, loss=0.05, up_mbps=0.0)
+    link = Link(prof, 0.0, np.random.default_rng(2))
+    delays = np.array([link.one_way_s(100) for _ in range(20000)])
+    base = prof.rtt_ms / 2000
+    late = delays > base + 1e-9
+    n, p = len(delays), prof.loss
+    assert abs(late.sum() - n * p) <= 5 * np.sqrt(n * p * (1 - p))
+    assert np.all(delays[late] >= base + prof.rto_s - 1e-9)
+    assert np.allclose(delays[~late], base)
+
+
+def test_netem_bandwidth_and_in_order_delivery():
+    prof = dataclasses.replace(PROFILES["none"], up_mbps=8.0)  # 1 byte per microsecond
+    link = Link(prof, prof.up_mbps, np.random.default_rng(0))
+    first = link.deliver_at(0.0, 9900)  # 10000 bytes with the per-message overhead
+    assert first == pytest.approx(0.01)
+    # Sent at the same time, the second waits for the first to be on the wire.
+    assert link.deliver_at(0.0, 9900) == pytest.approx(0.02)
+
+
+def test_fleet_only_targets_loopback():
+    require_loopback("127.0.0.1:50051")
+    require_loopback("localhost:50051")
+    with pytest.raises(NotLoopback):
+        require_loopback("192.0.2.1:50051")
+
+
+# -- round logic --------------------------------------------------------------------------------
+
+LIMITS = ServerLimits(vocab_size=96, max_draft_len=8, max_context=64)
+
+
+def result(round_no: int, n: int, token: int, length: int, finished=False, suggested=None):
+    reply = pb.RoundResult(round=round_no, num_accepted=n, next_token=token,
+                           committed_length=length, finished=finished, target_forwards=1)
+    if suggested is not None:
+        reply.suggested_draft_len = suggested
+    return reply
+
+
+def test_rounds_apply_commits_accepted_drafts_and_the_next_token():
+    r = GenerationRounds([5, 6, 7], SessionParams(max_new_tokens=10), LIMITS, draft_len=4)
+    assert r.open_request(Proposal([1, 2, 3, 4], None)).max_new_tokens == 10
+    assert r.apply(Proposal([1, 2, 3, 4], None), result(0, 2, 9, 6)) == [1, 2, 9]
+    assert r.committed == [5, 6, 7, 1, 2, 9] and r.round_no == 1
+    assert r.verify_request("s", Proposal([4], None)).round == 1
+
+
+@pytest.mark.parametrize("bad", [
+    result(1, 0, 9, 4),  # answers another round
+    result(0, 3, 9, 6),  # accepts more drafts than sent
+    result(0, 0, 96, 4),  # token out of the vocabulary
+    result(0, 1, 9, 7),  # committed length disagrees
+])
+def test_rounds_reject_inconsistent_replies(bad):
+    r = GenerationRounds([5, 6, 7], SessionParams(max_new_tokens=10), LIMITS, draft_len=2)
+    with pytest.raises(ProtocolError):
+        r.apply(Proposal([1, 2], None), bad)
+
+
+def test_rounds_follow_the_suggested_draft_len_and_the_room_left():
+    r = GenerationRounds([5], SessionParams(max_new_tokens=6), LIMITS, draft_len=4)
+    assert r.next_k() == 4
+    r.apply(Proposal([1, 2, 3, 4], None), result(0, 0, 9, 2, suggested=2))
+    assert r.next_k() == 2  # min(own 4, suggested 2)
+    r.apply(Proposal([1, 2], None), result(1, 0, 9, 3, suggested=0))
+    assert r.next_k() == 0  # 0 = send no drafts: plain decoding is cheaper now
+    r.apply(Proposal([], None), result(2, 0, 9, 4))
+    assert r.next_k() == 2  # no suggestion: own K, but only 3 tokens remain
+    r.apply(Proposal([1, 2], None), result(3, 2, 9, 7, finished=True))
+    assert r.finished and r.remaining == 0
+
+
+def test_reopen_resends_the_full_context_with_the_same_params():
+    params = SessionParams(max_new_tokens=10, temperature=0.5, seed=77, stop_token_ids=(3,))
+    r = GenerationRounds([5, 6], params, LIMITS, draft_len=2)
+    r.apply(Proposal([1, 2], None), result(0, 2, 9, 5))
+    r.apply(Proposal([4, 4], None), result(1, 1, 8, 7))
+    req = r.reopen_request(Proposal([11, 12], None))
+    assert list(req.prompt_token_ids) == [5, 6, 1, 2, 9, 4, 8]
+    assert req.max_new_tokens == 5 and list(req.stop_token_ids) == [3]
+    assert req.sampling.seed == 77 and req.sampling.temperature == pytest.approx(0.5)
+    assert list(req.first_draft.token_ids) == [11, 12]
+    assert r.round_no == 0  # the new session's first round rides on OpenSession
+
+
+# -- fleet runs -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_pair):
+    return load_target(tiny_llama_pair.target_dir)
+
+
+@pytest.fixture(scope="module")
+def verifier(target):
+    with EmbeddedVerifier(target, VerifierConfig(port=0)) as v:
+        yield v
+
+
+def fleet(address, draft_dir, tmp_path, **kw):
+    config = FleetConfig(**({"clients": 4, "duration_s": 3.0, "profile": "wifi",
+                             "chat_tokens": 16, "prompts": 4, "progress": False,
+                             "ramp_s": 0.2, "keep_outputs": True} | kw))
+    return asyncio.run(run_fleet_async(address, config, draft_dir,
+                                       replay_cache=tmp_path / "replay.json"))
+
+
+def check_result(res: dict, clients: int) -> None:
+    a = res["aggregate"]
+    for key in AGGREGATE_KEYS:
+        assert key in a
+    assert res["clients"] == clients and len(res["per_client"]) == clients
+    assert a["errors"] == {} and a["requests_failed"] == 0
+    assert a["tokens"] > 0 and a["tokens_per_s"] > 0
+    assert a["tpot_ms_p50"] <= a["tpot_ms_p95"] <= a["tpot_ms_p99"]
+    assert a["ttft_ms_p50"] > 0
+    assert a["bytes_per_token"] > 0 and a["round_trips_per_token"] > 0
+    assert sum(c["tokens"] for c in res["per_client"]) == a["tokens"]
+
+
+def completed_outputs(res: dict) -> dict[tuple[str, int], list[int]]:
+    out: dict[tuple[str, int], list[int]] = {}
+    for o in res["outputs"]:
+        if o["completed"]:
+            key = (o["prompt_key"], o["max_new_tokens"])
+            assert out.setdefault(key, o["tokens"]) == o["tokens"]
+    return out
+
+
+def test_fleet_spec_replay_and_baseline(verifier, tiny_llama_pair, tmp_path):
+    spec = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, workload="mixed")
+    check_result(spec, 4)
+    assert spec["mode"] == "spec" and spec["drafts"] == "replay"
+    assert spec["profile"]["name"] == "wifi" and spec["workload"] == "mixed"
+    a = spec["aggregate"]
+    assert a["replay_hits"] > 0 and a["replay_misses"] == 0
+    # One round trip and one target forward per round, at least one token per round.
+    assert a["round_trips_per_token"] == pytest.approx(a["target_forwards_per_token"])
+    assert a["round_trips_per_token"] <= 1
+    base = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, workload="mixed",
+                 mode="baseline")
+    check_result(base, 4)
+    assert base["drafts"] is None
+    assert base["aggregate"]["target_forwards_per_token"] == pytest.approx(1.0)
+    # Greedy: both modes commit the target's own continuation.
+    spec_out, base_out = completed_outputs(spec), completed_outputs(base)
+    common = spec_out.keys() & base_out.keys()
+    assert common
+    assert all(spec_out[k] == base_out[k] for k in common)
+
+
+def test_greedy_replay_output_equals_model_output(verifier, tiny_llama_pair, tmp_path):
+    kw = {"clients": 2, "workload": "ime", "profile": "none", "duration_s": 2.5}
+    replay = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
+    model = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, drafts="model", **kw)
+    check_result(model, 2)
+    assert model["aggregate"]["draft_s"] > 0
+    a, b = completed_outputs(replay), completed_outputs(model)
+    assert a.keys() & b.keys()
+    assert all(a[k] == b[k] for k in a.keys() & b.keys())
+    # The replayed drafts are the model's: the same acceptance, round for round.
+    assert replay["aggregate"]["acceptance_rate"] == pytest.approx(
+        model["aggregate"]["acceptance_rate"], abs=0.15)
+
+
+class MeddlingProxy(pb_grpc.VerifierServicer):
+    """Forwards to a real verifier, and misbehaves on cue like a loaded server would:
+    evicts the first session on its second Verify, answers the first OpenSession with
+    RESOURCE_EXHAUSTED, and suggests K = 1 in every reply."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        self.opens = 0
+        self.verifies = 0
+        self.evicted = 0
+        self.draft_lens: list[int] = []
+
+    async def GetInfo(self, request, context):
+        return await self.stub.GetInfo(request)
+
+    async def OpenSession(self, request, context):
+        self.opens += 1
+        if self.opens == 1:
+            context.set_trailing_metadata((("retry-after-ms", "20"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many rounds queued")
+        reply = await self.stub.OpenSession(request)
+        reply.first_round.suggested_draft_len = 1
+        return reply
+
+    async def Verify(self, request, context):
+        self.verifies += 1
+        self.draft_lens.append(len(request.draft.token_ids))
+        if self.verifies == 2:
+            self.evicted += 1
+            await self.stub.CloseSession(pb.CloseSessionRequest(session_id=request.session_id))
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                "session abcd1234... was evicted to free memory; reopen it")
+        reply = await self.stub.Verify(request)
+        reply.result.suggested_draft_len = 1
+        return reply
+
+    async def CloseSession(self, request, context):
+        return await self.stub.CloseSession(request)
+
+    async def Generate(self, request, context):
+        async for msg in self.stub.Generate(request):
+            yield msg
+
+
+def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_pair, tmp_path):
+    kw = {"clients": 1, "workload": "chat", "profile": "none", "duration_s": 2.5,
+          "draft_len": 3}
+    want = completed_outputs(fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path,
+                                   **kw))
+
+    async def through_proxy():
+        proxy = MeddlingProxy(verifier.address)
+        server = grpc.aio.server()
+        pb_grpc.add_VerifierServicer_to_server(proxy, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            config = FleetConfig(progress=False, keep_outputs=True, chat_tokens=16, prompts=4,
+                                 warm_up=False, **kw)
+            res = await run_fleet_async(f"127.0.0.1:{port}", config, tiny_llama_pair.draft_dir,
+                                        replay_cache=tmp_path / "replay.json")
+        finally:
+            await server.stop(0)
+            await proxy.channel.close()
+        return res, proxy
+
+    res, proxy = asyncio.run(through_proxy())
+    a = res["aggregate"]
+    assert proxy.evicted == 1 and a["reopens"] == 1
+    assert a["errors"] == {"RESOURCE_EXHAUSTED": 1, "NOT_FOUND": 1}
+    assert a["requests_failed"] == 0
+    got = completed_outputs(res)
+    assert got.keys() & want.keys()
+    assert all(got[k] == want[k] for k in got.keys() & want.keys())
+    # After the first reply every round follows the suggestion (K <= 1).
+    assert max(proxy.draft_lens) <= 1
+
+
+def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
+    import json
+
+    from edge_client.cli import main
+
+    out = tmp_path / "fleet.json"
+    rc = main(["fleet", "--embedded", "--target", str(tiny_llama_pair.target_dir),
+               "--draft-dir", str(tiny_llama_pair.draft_dir), "--clients", "2", "--duration",
+               "1.5", "--profile", "5g", "--workload", "ime", "--mode", "spec", "--drafts",
+               "replay", "--json", str(out), "--plot", str(tmp_path / "cdf.png"),
+               "--replay-cache", str(tmp_path / "replay.json"), "--no-progress"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert (res["clients"], res["profile"]["name"], res["workload"], res["mode"],
+            res["drafts"]) == (2, "5g", "ime", "spec", "replay")
+    check_result(res, 2)
+    assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_fleet_sweep_writes_capacity_and_plots(tiny_llama_pair, tmp_path):
+    import json
+
+    from edge_client.cli import main
+
+    out = tmp_path / "bench" / "fleet.json"
+    rc = main([
+        "bench-fleet", "--embedded", "--target", str(tiny_llama_pair.target_dir),
+        "--draft-dir", str(tiny_llama_pair.draft_dir), "--json", str(out), "--clients", "1",
+        "2", "--profiles", "wifi", "--duration", "1.5", "--chat-tokens", "12", "--prompts",
+        "2", "--replay-cache", str(tmp_path / "replay.json"), "--no-progress"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert set(data["capacity"]) == {"spec", "baseline"}
+    assert all(set(v) == {"wifi"} for v in data["capacity"].values())
+    # Tiny models on loopback + 20 ms RTT: both client counts meet a 200 ms p95 TPOT.
+    assert data["capacity"]["baseline"]["wifi"] == 2
+    assert data["capacity_figures"]["baseline"]["wifi"]["clients"] == 2
+    assert len(data["runs"]) == 4
+    for png in data["plots"].values():
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, tmp_path):
+    """A KV budget of about two sessions for four clients: the verifier evicts idle sessions
+    (NOT_FOUND "evicted"), the clients reopen them, and every output stays the target's."""
+    from cloud_verifier.engine import VerifierEngine
+
+    per_token = VerifierEngine(target.model, target.vocab_size, target.max_context) \
+        .kv.bytes_per_token
+    kw = {"workload": "chat", "duration_s": 3.0, "profile": "wifi"}
+    with EmbeddedVerifier(target, VerifierConfig(port=0)) as roomy:  # also records drafts
+        want = completed_outputs(fleet(roomy.address, tiny_llama_pair.draft_dir, tmp_path,
+                                       **kw))
+    config = VerifierConfig(port=0, kv_budget_bytes=2 * 40 * per_token)
+    with EmbeddedVerifier(target, config) as tight:
+        res = fleet(tight.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
+    a = res["aggregate"]
+    assert a["reopens"] > 0 and a["errors"].get("NOT_FOUND", 0) >= a["reopens"]
+    assert a["requests_failed"] == 0 and a["tokens"] > 0
+    got = completed_outputs(res)
+    assert got.keys() & want.keys()
+    assert all(got[k] == want[k] for k in got.keys() & want.keys())

@@ -7,8 +7,9 @@
 (d) edgespec with an injected round-trip time (50 ms by default).
 
 All four run greedy, so (b), (c) and (d) must reproduce (a) token for token; the report says
-how many prompts matched. Target forwards are counted with a forward hook on the target,
-not inferred. This is an offline tool: it imports torch.
+how many prompts matched. Target forwards are counted with a forward hook on the target for
+(a) and (b), and from the verifier's per-round ``target_forwards`` for (c) and (d). This is an
+offline tool: it imports torch.
 """
 
 from __future__ import annotations
@@ -114,11 +115,14 @@ def _edgespec_case(name: str, address: str, draft_dir: Path, prompts: list[list[
             result.new_tokens += s.new_tokens
             result.wall_s += s.wall_s
             result.round_trips += s.round_trips
+            # The verifier's packed forward bypasses model.forward (and its hook): count the
+            # forwards the server reports per round.
+            result.target_forwards += s.target_forwards
             result.accepted += s.accepted
             result.drafted += s.drafted
             result.bytes_total += s.bytes_up + s.bytes_down
             result.per_prompt_tps.append(s.new_tokens / s.wall_s)
-    result.target_forwards = counter.take()
+    counter.take()
     return result
 
 

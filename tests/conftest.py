@@ -105,3 +105,11 @@ def real_assets() -> tuple[Path, Path]:
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def target(tiny_llama_pair):
+    """The tiny target loaded as the verifier loads it, shared by every test."""
+    from cloud_verifier.target_model import load_target
+
+    return load_target(tiny_llama_pair.target_dir)

@@ -17,17 +17,11 @@ from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
-from cloud_verifier.target_model import load_target
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 5, 63, 8]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 def test_expected_tokens_formula():

@@ -19,18 +19,12 @@ from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_forward, sequential_forward
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
-from cloud_verifier.target_model import load_target
 from edge_client.client import EdgeClient, GenerationConfig
 from shared.sampling import SamplingParams
 
 PROMPT_LENGTHS = [3, 20, 7, 12, 1, 30, 9, 15]
 DRAFT_LENGTHS = [4, 1, 6, 0, 3, 5, 2, 4]
 ROUNDS = 6
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 def prompt(i: int, vocab: int) -> list[int]:

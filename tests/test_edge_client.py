@@ -14,18 +14,12 @@ import torch
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
-from cloud_verifier.target_model import load_target
 from edge_client.client import EdgeClient, GenerationConfig, IncompatibleVerifier
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
 from shared.sampling import SamplingParams, target_probs
 
 PROMPT = [1, 17, 42, 5, 63, 8]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 @pytest.fixture(scope="module")

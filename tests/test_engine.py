@@ -11,15 +11,9 @@ from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import ContextTooLong
 from cloud_verifier.kv_store import SessionKV
 from cloud_verifier.sessions import SessionStore
-from cloud_verifier.target_model import load_target
 from shared.sampling import SamplingParams
 
 PROMPT = [1, 17, 42, 5, 63, 8]
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 def fresh_cache(model, tokens: list[int]) -> DynamicCache:

@@ -13,7 +13,6 @@ import pytest
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
-from cloud_verifier.target_model import load_target
 from edge_client.drafter import Proposal
 from edge_client.fleet import FleetConfig, NotLoopback, require_loopback, run_fleet_async
 from edge_client.netem import PROFILES, Link, NetEm
@@ -131,11 +130,6 @@ def test_reopen_resends_the_full_context_with_the_same_params():
 
 
 # -- fleet runs -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import torch
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
-from cloud_verifier.target_model import load_target
 from edge_client.client import EdgeClient, GenerationConfig
 from edge_client.combined_drafter import CombinedDrafter, make_drafter
 from edge_client.draft_model import OnnxDraftModel
@@ -140,11 +139,6 @@ def test_cli_takes_the_drafter():
     args = build_parser().parse_args(["generate", "--embedded", "--prompt", "x",
                                       "--drafter", "combined"])
     assert args.drafter == "combined"
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 @pytest.fixture(scope="module")

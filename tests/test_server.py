@@ -15,17 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.server import EmbeddedVerifier
-from cloud_verifier.target_model import load_target
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
 PROMPT = [1, 17, 42, 5, 63, 8]
 GREEDY = pb.SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_llama_pair):
-    return load_target(tiny_llama_pair.target_dir)
 
 
 def reference_greedy(target, prompt: list[int], n: int) -> list[int]:

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "edgespec.v1"
 # Back-off hint sent with RESOURCE_EXHAUSTED.
 RETRY_AFTER_MS = 200
+# A K = 0 round (Generate, Continue), identified like an empty Verify draft so that a client
+# may retry a missed one either way.
+_NO_DRAFT = DraftRound([], None)
+_NO_DRAFT_DIGEST = draft_digest(pb.Draft())
 
 _STATUS = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -186,6 +190,18 @@ class VerifierService(pb_grpc.VerifierServicer):
                         yield pb.SessionResponse(verified=verified)
                         if verified.result.finished or verify.close:
                             session_id = ""
+                    elif kind == "continue_decoding":
+                        if not session_id:
+                            raise InvalidRequest("the first message on a stream must be open")
+                        cont = request.continue_decoding
+                        if cont.session_id and cont.session_id != session_id:
+                            raise InvalidRequest("continue_decoding.session_id differs from "
+                                                 "the stream's session; leave it empty")
+                        session = self.store.get(session_id, owner)
+                        async for result in self._continue(session, cont):
+                            yield pb.SessionResponse(continued=result)
+                            if result.finished:
+                                session_id = ""
                     else:
                         raise InvalidRequest("empty SessionRequest: set open or verify")
         finally:
@@ -200,9 +216,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                 owner = self._caller(context)
                 session = self._create_session(parse_generate(
                     request, self.limits, frozenset(self.info.eos_token_ids)), owner)
-                no_draft = DraftRound([], None)
                 for round_no in itertools.count():
-                    result = await self._round(session, round_no, no_draft, b"", False)
+                    result = await self._round(session, round_no, _NO_DRAFT, _NO_DRAFT_DIGEST,
+                                               False)
                     yield pb.GenerateResponse(
                         token_ids=[result.next_token], committed_length=result.committed_length,
                         finished=result.finished,
@@ -212,6 +228,25 @@ class VerifierService(pb_grpc.VerifierServicer):
         finally:
             if session is not None and not session.finished:
                 self._spawn(self._close_when_idle(session.id, session.owner))
+
+    async def Continue(self, request: pb.ContinueRequest, context):
+        """K = 0 rounds of a speculative session back to back, streamed as they commit."""
+        async with _statuses(self, context):
+            session = self.store.get(parse_session_id(request.session_id),
+                                     self._caller(context))
+            async for result in self._continue(session, request):
+                yield result
+
+    async def _continue(self, session: Session, request: pb.ContinueRequest):
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be at least 1")
+        for round_no in range(request.round, request.round + request.max_tokens):
+            result = result_to_pb(await self._round(session, round_no, _NO_DRAFT,
+                                                    _NO_DRAFT_DIGEST, False))
+            yield result
+            if result.finished or (request.stop_when_drafting_pays
+                                   and result.suggested_draft_len):
+                return
 
     # -- shared bodies ----------------------------------------------------------------------
 

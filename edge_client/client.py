@@ -25,6 +25,7 @@ from edge_client.combined_drafter import DRAFTER_KINDS, Drafter, make_drafter
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, Proposal
 from edge_client.rounds import (  # noqa: F401 - ProtocolError is part of this module's API
+    NO_DRAFTS,
     GenerationRounds,
     ProtocolError,
     ServerLimits,
@@ -192,6 +193,14 @@ class Generation:
                 yield new
                 if state.finished:
                     break
+                if state.next_k() == 0:  # no drafts: the server decodes in the session
+                    for result in rounds.continue_(state.continue_request(session_id)):
+                        new = state.apply(NO_DRAFTS, result)
+                        self.token_ids.extend(new)
+                        self._account(result, 0, len(new))
+                        yield new
+                    if state.finished:
+                        break
                 proposal = self._propose(drafter, state)
                 result = rounds.verify(state.verify_request(session_id, proposal)).result
         finally:

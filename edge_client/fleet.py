@@ -82,7 +82,13 @@ import numpy as np
 
 from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
 from edge_client.netem import PROFILES, NetEm, NetworkProfile, profile
-from edge_client.rounds import GenerationRounds, ProtocolError, ServerLimits, SessionParams
+from edge_client.rounds import (
+    NO_DRAFTS,
+    GenerationRounds,
+    ProtocolError,
+    ServerLimits,
+    SessionParams,
+)
 from edge_client.tokenizer import EdgeTokenizer
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
@@ -373,9 +379,9 @@ class DeviceLink:
             return reply
         raise AssertionError("unreachable")
 
-    async def generate(self, request: pb.GenerateRequest
-                       ) -> AsyncIterator[tuple[float, pb.GenerateResponse]]:
-        """The Generate stream as (delivery time, message); retried while nothing arrived.
+    async def stream(self, method: str, request) -> AsyncIterator[tuple[float, object]]:
+        """A server stream (Generate, Continue) as (delivery time, message); retried on
+        RESOURCE_EXHAUSTED while nothing arrived.
 
         Messages are read as soon as gRPC has them; each one's delivery time is computed on
         the emulated downlink (in order), and the stream's end waits for the last one.
@@ -384,7 +390,7 @@ class DeviceLink:
             await self._up(request)
             self.pending.round_trips += 1
             timeout = max(0.0, self.window_end - time.perf_counter()) + self.deadline_s
-            call = self.stub.Generate(request, timeout=timeout)
+            call = getattr(self.stub, method)(request, timeout=timeout)
             received = False
             last = time.perf_counter()
             try:
@@ -547,7 +553,7 @@ class DraftSource:
 
         async def propose(committed: list[int], k: int) -> Proposal:
             if self.book is None or k == 0:
-                return await from_model(committed, k) if k else Proposal([], None)
+                return await from_model(committed, k) if k else NO_DRAFTS
             tokens = self.book.lookup(request, committed, k)
             if tokens is not None:
                 self.hits += 1
@@ -643,17 +649,21 @@ class Device:
             opened = await self.link.unary("OpenSession", rounds.open_request(proposal), ())
             session_id, result = opened.session_id, opened.first_round
             while True:
-                new = rounds.apply(proposal, result)
-                record.output.extend(new)
-                self._event(record, time.perf_counter(), len(new), result.target_forwards,
-                            result.timing)
-                record.drafted += len(proposal.tokens)
-                record.accepted += result.num_accepted
+                self._apply(record, rounds, proposal, result, time.perf_counter())
                 if rounds.finished:
                     session_id = None  # the server closed it
                     return
-                proposal = await propose(rounds.committed, rounds.next_k())
+                proposal = None
                 try:
+                    if rounds.next_k() == 0:  # drafting does not pay: the server decodes
+                        async with contextlib.aclosing(self.link.stream(
+                                "Continue", rounds.continue_request(session_id))) as stream:
+                            async for at, result in stream:
+                                self._apply(record, rounds, NO_DRAFTS, result, at)
+                        if rounds.finished:
+                            session_id = None
+                            return
+                    proposal = await propose(rounds.committed, rounds.next_k())
                     result = (await self.link.unary(
                         "Verify", rounds.verify_request(session_id, proposal),
                         retry_verify)).result
@@ -665,6 +675,8 @@ class Device:
                         raise
                     record.reopens += 1
                     session_id = None
+                    if proposal is None:  # evicted during a Continue stream
+                        proposal = await propose(rounds.committed, rounds.next_k())
                     opened = await self.link.unary("OpenSession",
                                                    rounds.reopen_request(proposal), ())
                     session_id, result = opened.session_id, opened.first_round
@@ -674,6 +686,14 @@ class Device:
                     await asyncio.wait_for(self.link.stub.CloseSession(
                         pb.CloseSessionRequest(session_id=session_id),
                         timeout=CLOSE_TIMEOUT_S), CLOSE_TIMEOUT_S)
+
+    def _apply(self, record: RequestRecord, rounds: GenerationRounds, proposal: Proposal,
+               result: pb.RoundResult, at: float) -> None:
+        new = rounds.apply(proposal, result)
+        record.output.extend(new)
+        self._event(record, at, len(new), result.target_forwards, result.timing)
+        record.drafted += len(proposal.tokens)
+        record.accepted += result.num_accepted
 
     async def _baseline(self, request: Request, params: SessionParams,
                         record: RequestRecord) -> None:
@@ -712,7 +732,7 @@ async def generate_tokens(link: DeviceLink, prompt_ids: list[int], params: Sessi
             ignore_eos=params.ignore_eos)
         before = len(received)
         try:
-            async with contextlib.aclosing(link.generate(request)) as stream:
+            async with contextlib.aclosing(link.stream("Generate", request)) as stream:
                 async for at, msg in stream:
                     ids = list(msg.token_ids)
                     if any(not 0 <= t < vocab_size for t in ids) \

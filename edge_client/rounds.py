@@ -59,6 +59,10 @@ def draft_to_pb(proposal: Proposal) -> pb.Draft:
     return draft
 
 
+# The proposal a K = 0 round (a Continue stream's results) is applied with.
+NO_DRAFTS = Proposal([], None)
+
+
 class GenerationRounds:
     """The committed tokens of one generation and the protocol state around them."""
 
@@ -117,6 +121,13 @@ class GenerationRounds:
     def verify_request(self, session_id: str, proposal: Proposal) -> pb.VerifyRequest:
         return pb.VerifyRequest(session_id=session_id, round=self.round_no,
                                 draft=draft_to_pb(proposal))
+
+    def continue_request(self, session_id: str) -> pb.ContinueRequest:
+        """When ``next_k()`` is 0: let the server decode in the session, no round trip per
+        token; each streamed RoundResult is applied with ``NO_DRAFTS``."""
+        return pb.ContinueRequest(
+            session_id=session_id, round=self.round_no, max_tokens=self.remaining,
+            stop_when_drafting_pays=self.follow_suggestion and self.draft_len > 0)
 
     def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
         """Commits d_1..d_n + the next token (cut where the server says it finished);

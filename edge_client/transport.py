@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -95,6 +96,22 @@ class UnaryRounds:
     def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         return self._t.unary(self._stats, self._t.stub.Verify, request, retry=True)
 
+    def continue_(self, request: pb.ContinueRequest) -> Iterator[pb.RoundResult]:
+        """K = 0 rounds decoded by the server back to back: one round trip in all."""
+        t0 = time.perf_counter()
+        self._t.delay()
+        self._stats.bytes_up += request.ByteSize()
+        self._stats.round_trips += 1
+        try:
+            for i, result in enumerate(self._t.stub.Continue(
+                    request, timeout=self._t.timeout_s, metadata=self._t.metadata)):
+                if i == 0:
+                    self._t.delay()
+                self._stats.bytes_down += result.ByteSize()
+                yield result
+        finally:
+            self._stats.call_s += time.perf_counter() - t0
+
     def close(self, session_id: str) -> None:
         self._t.unary(self._stats, self._t.stub.CloseSession,
                       pb.CloseSessionRequest(session_id=session_id), retry=True)
@@ -130,6 +147,29 @@ class StreamRounds:
 
     def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         return self._exchange(pb.SessionRequest(verify=request)).verified
+
+    def continue_(self, request: pb.ContinueRequest) -> Iterator[pb.RoundResult]:
+        """K = 0 rounds decoded by the server back to back: one round trip in all. The
+        server ends by Continue's rules, which the client applies to know the last one."""
+        t0 = time.perf_counter()
+        self._t.delay()
+        msg = pb.SessionRequest(continue_decoding=request)
+        self._stats.bytes_up += msg.ByteSize()
+        self._requests.put(msg)
+        self._stats.round_trips += 1
+        try:
+            for i in range(request.max_tokens):
+                reply = next(self._replies)
+                if i == 0:
+                    self._t.delay()
+                self._stats.bytes_down += reply.ByteSize()
+                result = reply.continued
+                yield result
+                if result.finished or (request.stop_when_drafting_pays
+                                       and result.suggested_draft_len):
+                    return
+        finally:
+            self._stats.call_s += time.perf_counter() - t0
 
     def close(self, session_id: str) -> None:
         self.end()  # ending the request stream closes the session

@@ -101,6 +101,12 @@ def test_gen_data_resume_skips_finished_shards(data, tiny_llama_pair):
              _prompts(8))
     assert first.stat().st_mtime_ns == before
     assert second.read_bytes() == kept  # regenerated identically (seeded)
+    # Resuming with other settings would mix incompatible shards: refused, nothing written.
+    with pytest.raises(ValueError, match="--shard-size 4 \\(not 5\\)"):
+        gen_data(GenConfig(target=tiny_llama_pair.target_dir, out=data["train"], shard_size=5,
+                           batch_size=3, max_new_tokens=10, top_k=8, sample_fraction=0.5),
+                 _prompts(8))
+    assert list_shards(data["train"]) == [first, second]
 
 
 def test_train_export_quantize_and_draft_on_the_edge(data, tmp_path):

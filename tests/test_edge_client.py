@@ -70,6 +70,19 @@ def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, use_str
     assert s.bytes_up > 0 and s.bytes_down > 0
 
 
+def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llama_pair,
+                                                             target):
+    """draft_len = 0: after the open, one Continue stream carries every remaining token."""
+    want = hf_greedy(target, PROMPT, 20)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=20, draft_len=0,
+                                                  ignore_eos=True))
+        chunks = list(gen)
+    assert gen.token_ids == want and all(len(chunk) == 1 for chunk in chunks)
+    s = gen.stats
+    assert s.round_trips == 2 and s.rounds == s.target_forwards == 20 and s.drafted == 0
+
+
 def test_stop_token_ends_generation(client, target):
     want = hf_greedy(target, PROMPT, 30)
     stop = want[5]

@@ -311,3 +311,55 @@ def test_resource_exhausted_carries_a_retry_hint(stub):
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     hint = dict(info.value.trailing_metadata())["retry-after-ms"]
     assert int(hint) > 0
+
+
+def test_continue_streams_plain_decoding_in_the_session(target):
+    """Under a cost model where drafting never pays, Continue decodes round after round in
+    the session, streams each one, and stops after the acceptance probe (PROBE_EVERY)."""
+    config = VerifierConfig(port=0, max_draft_len=8, verify_token_cost=100.0)
+    with EmbeddedVerifier(target, config) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        want = reference_greedy(target, PROMPT, 20)
+        opened = open_session(stub, max_new_tokens=20,
+                              first_draft=pb.Draft(token_ids=[want[0], 3]))
+        first = opened.first_round
+        assert first.suggested_draft_len == 0  # plain decoding is cheaper
+        got = [want[0], first.next_token] if first.num_accepted else [first.next_token]
+        replies = list(stub.Continue(pb.ContinueRequest(
+            session_id=opened.session_id, round=1, max_tokens=50,
+            stop_when_drafting_pays=True)))
+        # Rounds 1..7 stream; round 7 is the probe (suggests 1) and ends the stream.
+        assert [r.round for r in replies] == list(range(1, 8))
+        assert [r.suggested_draft_len for r in replies] == [0] * 6 + [1]
+        assert all(r.num_accepted == 0 and r.target_forwards == 1 for r in replies)
+        got += [r.next_token for r in replies]
+        assert got == want[:len(got)]
+        assert replies[-1].committed_length == len(PROMPT) + len(got)
+        # A round the client missed is replayed, not applied twice.
+        again = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id, round=7,
+                                                      max_tokens=1)))
+        assert [(r.round, r.next_token, r.target_forwards) for r in again] == \
+            [(7, replies[-1].next_token, 0)]
+        # Not stopping for the probes: to the end of the session (its max_new_tokens).
+        rest = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id, round=8,
+                                                      max_tokens=50)))
+        assert any(r.suggested_draft_len for r in rest[:-1])  # the probe at round 15
+        got += [r.next_token for r in rest]
+        assert got == want and rest[-1].finished
+
+
+def test_continue_rejects_bad_requests(stub):
+    opened = open_session(stub)
+    sid = opened.session_id
+
+    def code(**kw):
+        return code_of(lambda r: list(stub.Continue(r)), pb.ContinueRequest(**kw))
+
+    assert code(session_id=sid, round=0, max_tokens=0) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code(session_id=sid, round=3, max_tokens=1) == grpc.StatusCode.FAILED_PRECONDITION
+    assert code(session_id="ab" * 16, round=0, max_tokens=1) == grpc.StatusCode.NOT_FOUND
+    assert code(session_id="nope", round=0, max_tokens=1) == grpc.StatusCode.INVALID_ARGUMENT
+    # The session is undisturbed.
+    assert len(list(stub.Continue(pb.ContinueRequest(session_id=sid, round=0,
+                                                     max_tokens=1)))) == 1

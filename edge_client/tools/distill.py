@@ -155,6 +155,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
     order = np.random.default_rng(cfg.seed).permutation(len(prompts))
     if cfg.max_prompts:
         order = order[: cfg.max_prompts]
+    _check_resume(out / "config.json", cfg)
     _write_json(out / "config.json", {**_jsonable(asdict(cfg)), "num_prompts": len(order)})
 
     target = load_target(cfg.target, device="cpu")
@@ -199,6 +200,25 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0)
     log.info("gen-data done: %d shards in %s", n_shards, out)
     return out
+
+
+# What a data directory's shards depend on; a resumed run must use the same values.
+_DATA_FIELDS = ("split", "shard_size", "batch_size", "max_new_tokens", "top_k",
+                "sample_fraction", "temperature", "seed", "max_prompts")
+
+
+def _check_resume(config_path: Path, cfg: GenConfig) -> None:
+    """Refuses to add shards made with other settings to an existing data directory."""
+    if not config_path.exists():
+        return
+    stored = json.loads(config_path.read_text())
+    wanted = _jsonable(asdict(cfg))
+    diff = {k: (stored.get(k), wanted[k]) for k in _DATA_FIELDS if stored.get(k) != wanted[k]}
+    if diff:
+        detail = ", ".join(f"--{k.replace('_', '-')} {old} (not {new})"
+                           for k, (old, new) in diff.items())
+        raise ValueError(f"{config_path.parent} was generated with other settings; resume "
+                         f"with {detail}, or use a new --out")
 
 
 def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: GenConfig,
@@ -1131,6 +1151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except ValueError as exc:  # bad settings: say so in one line
+        log.error("%s", exc)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "gen-data":
         gen_data(GenConfig(args.target, args.out, args.split, args.shard_size, args.batch_size,
                            args.max_new_tokens, args.top_k, args.sample_fraction,

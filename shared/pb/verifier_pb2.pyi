@@ -143,20 +143,24 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "verify")
+    __slots__ = ("open", "verify", "continue_decoding")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_DECODING_FIELD_NUMBER: _ClassVar[int]
     open: OpenSessionRequest
     verify: VerifyRequest
-    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+    continue_decoding: ContinueRequest
+    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., continue_decoding: _Optional[_Union[ContinueRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("opened", "verified")
+    __slots__ = ("opened", "verified", "continued")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     opened: OpenSessionResponse
     verified: VerifyResponse
-    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., verified: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
+    continued: RoundResult
+    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., verified: _Optional[_Union[VerifyResponse, _Mapping]] = ..., continued: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -183,3 +187,15 @@ class GenerateResponse(_message.Message):
     finished: bool
     timing: Timing
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class ContinueRequest(_message.Message):
+    __slots__ = ("session_id", "round", "max_tokens", "stop_when_drafting_pays")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_WHEN_DRAFTING_PAYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round: int
+    max_tokens: int
+    stop_when_drafting_pays: bool
+    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_when_drafting_pays: _Optional[bool] = ...) -> None: ...

@@ -64,6 +64,11 @@ class VerifierStub:
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Continue = channel.unary_stream(
+                '/edgespec.v1.Verifier/Continue',
+                request_serializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
+                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -114,6 +119,20 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Continue(self, request, context):
+        """Cloud-side decoding inside a speculative session, for when drafting does not pay
+        (suggested_draft_len = 0, the server is saturated). The verifier runs K = 0 rounds (one
+        target forward and one token each) back to back, starting at ContinueRequest.round, in
+        the same continuous batching, and streams each round's result as it commits: no round
+        trip per token. The stream ends after max_tokens rounds, when the session finishes, or
+        (stop_when_drafting_pays) right after a round whose suggested_draft_len is above 0; the
+        client then drafts again with the next round number. Rounds are numbered as in Verify: a round the client missed
+        (a cut stream) is replayed when asked for again, not applied twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -146,6 +165,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Continue': grpc.unary_stream_rpc_method_handler(
+                    servicer.Continue,
+                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.FromString,
+                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +334,33 @@ class Verifier:
             '/edgespec.v1.Verifier/Generate',
             edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Continue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/edgespec.v1.Verifier/Continue',
+            edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
+            edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,9 +24,9 @@ from edge_client.fleet import (
     config_from_args,
     result_line,
     run_fleet_async,
-    verifier_address,
     write_json,
 )
+from edge_client.fleet_verifier import fleet_verifier
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +176,10 @@ def cmd_bench_fleet(args) -> int:
     configs = [config_from_args(args, n, prof, mode, args.duration)
                for prof in args.profiles for mode in args.modes for n in sorted(args.clients)]
     started = time.time()
-    with verifier_address(args, max(args.clients)) as address:
-        runs = asyncio.run(sweep(address, configs, args.draft_dir or default_draft_dir(),
-                                 args.replay_cache, args.slo_ms, args.keep_going))
+    with fleet_verifier(args, max(args.clients)) as verifier:
+        runs = asyncio.run(sweep(verifier.address, configs,
+                                 args.draft_dir or default_draft_dir(), args.replay_cache,
+                                 args.slo_ms, args.keep_going))
     counts, figures = capacity(runs, args.slo_ms)
     plots_dir = args.plots_dir or args.json.parent
     stem = args.json.stem
@@ -205,6 +206,7 @@ def cmd_bench_fleet(args) -> int:
         "started_unix": started,
         "wall_s": time.time() - started,
         "plots": {k: str(v) for k, v in plots.items()},
+        "verifier": verifier.report.as_dict(),
         "runs": runs,
     })
     print(f"capacity (p95 TPOT <= {args.slo_ms:g} ms): {counts}", file=sys.stderr)

@@ -1025,6 +1025,9 @@ def add_common_args(p) -> None:
     p.add_argument("--max-sessions", type=int, default=None,
                    help="with --embedded/--spawn: session limit (default: max(64, 2 x "
                         "clients))")
+    p.add_argument("--kv-budget-mb", type=float, default=None,
+                   help="with --embedded/--spawn: the verifier's KV cache budget (default: "
+                        "unbounded)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help="ONNX draft directory; its tokenizer is used in both modes")
     p.add_argument("--workload", choices=WORKLOADS, default="chat")
@@ -1065,64 +1068,6 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
         seed=args.seed, deadline_s=args.deadline, progress=not args.no_progress)
 
 
-SPAWN_READY_TIMEOUT_S = 300.0
-
-
-@contextlib.contextmanager
-def spawned_verifier(target: str | None, max_sessions: int):
-    """``edgespec-verifier`` in a child process on a free loopback port; stopped on exit."""
-    import subprocess
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1", "--port",
-           str(port), "--max-sessions", str(max_sessions), "--log-level", "WARNING"]
-    if target:
-        cmd += ["--model", str(target)]
-    proc = subprocess.Popen(cmd)
-    address = f"127.0.0.1:{port}"
-    try:
-        with grpc.insecure_channel(address) as channel:
-            deadline = time.monotonic() + SPAWN_READY_TIMEOUT_S
-            while True:  # bounded: the child loads the target first
-                try:
-                    grpc.channel_ready_future(channel).result(timeout=2.0)
-                    break
-                except grpc.FutureTimeoutError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the spawned verifier did not come up on "
-                                           f"{address} (exit code {proc.poll()})") from None
-        yield address
-    finally:
-        proc.terminate()  # SIGTERM: the verifier drains and exits
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextlib.contextmanager
-def verifier_address(args, clients: int):
-    """The --server address, or a verifier started for --embedded / --spawn."""
-    max_sessions = args.max_sessions or max(64, 2 * clients)
-    if getattr(args, "spawn", False):
-        with spawned_verifier(args.target, max_sessions) as address:
-            yield address
-        return
-    if not args.embedded:
-        yield args.server
-        return
-    from cloud_verifier.config import VerifierConfig  # the cloud side needs torch
-    from cloud_verifier.server import EmbeddedVerifier
-    from cloud_verifier.target_model import load_target
-
-    with EmbeddedVerifier(load_target(args.target),
-                          VerifierConfig(port=0, max_sessions=max_sessions)) as verifier:
-        yield verifier.address
-
-
 def write_json(path: Path, data: dict) -> None:
     import json
 
@@ -1131,12 +1076,14 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def cmd_fleet(args) -> int:
+    from edge_client.fleet_verifier import fleet_verifier
     from shared.paths import default_draft_dir
 
     config = config_from_args(args, args.clients, args.profile, args.mode, args.duration)
-    with verifier_address(args, args.clients) as address:
-        result = run_fleet(address, config, args.draft_dir or default_draft_dir(),
+    with fleet_verifier(args, args.clients) as verifier:
+        result = run_fleet(verifier.address, config, args.draft_dir or default_draft_dir(),
                            args.replay_cache)
+    result["verifier"] = verifier.report.as_dict()
     write_json(args.json, result)
     if args.plot is not None:
         from edge_client.bench_fleet import plot_latency_cdf

@@ -314,7 +314,8 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     from edge_client.cli import main
 
     out = tmp_path / "fleet.json"
-    rc = main(["fleet", "--embedded", "--target", str(tiny_llama_pair.target_dir),
+    rc = main(["fleet", "--spawn", "--target", str(tiny_llama_pair.target_dir),
+               "--kv-budget-mb", "8",
                "--draft-dir", str(tiny_llama_pair.draft_dir), "--clients", "2", "--duration",
                "1.5", "--profile", "5g", "--workload", "ime", "--mode", "spec", "--drafts",
                "replay", "--json", str(out), "--plot", str(tmp_path / "cdf.png"),
@@ -324,6 +325,12 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     assert (res["clients"], res["profile"]["name"], res["workload"], res["mode"],
             res["drafts"]) == (2, "5g", "ime", "spec", "replay")
     check_result(res, 2)
+    # The spawned verifier was watched: its metrics scraped, its peak memory read, and it
+    # stopped cleanly.
+    v = res["verifier"]
+    assert v["spawned"] and v["exit_code"] == 0
+    assert v["scrapes"] > 0 and 0 < v["kv_peak_bytes"] <= v["kv_budget_bytes"] == 8 * 2**20
+    assert v["kv_within_budget"] is True and v["peak_rss_mb"] > 10
     assert (tmp_path / "cdf.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,0 +1,174 @@
+"""The verifier a fleet run targets: ``--server`` (already running), ``--embedded`` (in this
+process) or ``--spawn`` (``edgespec-verifier`` in a child process, on free loopback ports).
+
+A spawned verifier is also watched, as an operator would watch one: its Prometheus endpoint
+is scraped every ``SCRAPE_EVERY_S`` for the KV cache bytes in use, and at the end the report
+(``VerifierReport``) gives its peak resident memory (the kernel's VmHWM), the largest KV
+footprint seen against the configured budget, and how it exited (a crash shows as a
+non-zero exit code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+SPAWN_READY_TIMEOUT_S = 300.0
+SCRAPE_EVERY_S = 0.5
+KV_METRIC = "edgespec_kv_cache_bytes"
+
+
+@dataclass
+class VerifierReport:
+    """What a spawned verifier did during a run (None where not observed)."""
+
+    spawned: bool
+    kv_budget_bytes: int | None = None
+    kv_peak_bytes: float | None = None  # largest scraped value
+    scrapes: int = 0
+    peak_rss_bytes: int | None = None
+    exit_code: int | None = None  # 0: drained and stopped cleanly on SIGTERM
+
+    def as_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out["kv_within_budget"] = (None if self.kv_budget_bytes is None
+                                   or self.kv_peak_bytes is None
+                                   else self.kv_peak_bytes <= self.kv_budget_bytes)
+        out["peak_rss_mb"] = (None if self.peak_rss_bytes is None
+                              else round(self.peak_rss_bytes / 2**20, 1))
+        return out
+
+
+@dataclass
+class FleetVerifier:
+    address: str
+    report: VerifierReport = field(default_factory=lambda: VerifierReport(spawned=False))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    """The process's peak resident set (Linux VmHWM), or None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def scrape_gauge(url: str, name: str, timeout_s: float = 2.0) -> float | None:
+    """One unlabelled sample from a Prometheus text endpoint."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+class _KVWatcher(threading.Thread):
+    def __init__(self, url: str, report: VerifierReport) -> None:
+        super().__init__(daemon=True, name="kv-watcher")
+        self.url = url
+        self.report = report
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(SCRAPE_EVERY_S):
+            self.scrape()
+
+    def scrape(self) -> None:
+        try:
+            value = scrape_gauge(self.url, KV_METRIC)
+        except OSError:
+            return  # not up yet, or shutting down
+        if value is not None:
+            r = self.report
+            r.scrapes += 1
+            r.kv_peak_bytes = value if r.kv_peak_bytes is None else max(r.kv_peak_bytes, value)
+
+
+@contextlib.contextmanager
+def spawned_verifier(target: str | None, max_sessions: int,
+                     kv_budget_mb: float | None = None) -> Iterator[FleetVerifier]:
+    """``edgespec-verifier`` in a child process; watched while it runs, stopped on exit."""
+    port, metrics_port = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1", "--port",
+           str(port), "--max-sessions", str(max_sessions), "--metrics-port",
+           str(metrics_port), "--log-level", "WARNING"]
+    if target:
+        cmd += ["--model", str(target)]
+    if kv_budget_mb is not None:
+        cmd += ["--kv-budget-mb", str(kv_budget_mb)]
+    report = VerifierReport(spawned=True, kv_budget_bytes=None if kv_budget_mb is None
+                            else int(kv_budget_mb * 2**20))
+    proc = subprocess.Popen(cmd)
+    address = f"127.0.0.1:{port}"
+    watcher = _KVWatcher(f"http://127.0.0.1:{metrics_port}/metrics", report)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            deadline = time.monotonic() + SPAWN_READY_TIMEOUT_S
+            while True:  # bounded: the child loads the target first
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=2.0)
+                    break
+                except grpc.FutureTimeoutError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"the spawned verifier did not come up on "
+                                           f"{address} (exit code {proc.poll()})") from None
+        watcher.start()
+        yield FleetVerifier(address, report)
+    finally:
+        if watcher.is_alive():
+            watcher.stopped.set()
+            watcher.join()
+            watcher.scrape()
+        report.peak_rss_bytes = peak_rss_bytes(proc.pid)
+        proc.terminate()  # SIGTERM: the verifier drains and exits
+        try:
+            report.exit_code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            report.exit_code = proc.wait()
+        log.info("spawned verifier: %s", report.as_dict())
+
+
+@contextlib.contextmanager
+def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
+    """The --server address, or a verifier started for --embedded / --spawn."""
+    max_sessions = args.max_sessions or max(64, 2 * clients)
+    kv_budget_mb = getattr(args, "kv_budget_mb", None)
+    if getattr(args, "spawn", False):
+        with spawned_verifier(args.target, max_sessions, kv_budget_mb) as verifier:
+            yield verifier
+        return
+    if not args.embedded:
+        yield FleetVerifier(args.server)
+        return
+    from cloud_verifier.config import VerifierConfig  # the cloud side needs torch
+    from cloud_verifier.server import EmbeddedVerifier
+    from cloud_verifier.target_model import load_target
+
+    budget = None if kv_budget_mb is None else int(kv_budget_mb * 2**20)
+    with EmbeddedVerifier(load_target(args.target),
+                          VerifierConfig(port=0, max_sessions=max_sessions,
+                                         kv_budget_bytes=budget)) as verifier:
+        yield FleetVerifier(verifier.address)

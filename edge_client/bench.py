@@ -126,6 +126,17 @@ def _edgespec_case(name: str, address: str, draft_dir: Path, prompts: list[list[
     return result
 
 
+def assistant_dir(draft_dir: Path) -> Path | None:
+    """Case (b)'s PyTorch draft: the same weights over the target's whole vocabulary (a
+    distilled draft's twin, or the stand-in's checkpoint); None when there is none."""
+    from shared.paths import draft_twin_dir, standin_draft_dir, standin_draft_pt_dir
+
+    if Path(draft_dir).resolve() == standin_draft_dir().resolve():
+        return standin_draft_pt_dir()
+    twin = draft_twin_dir(draft_dir)
+    return twin if (twin / "config.json").is_file() else None
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -133,16 +144,15 @@ def run_bench(args: argparse.Namespace) -> int:
     from cloud_verifier.server import EmbeddedVerifier
     from cloud_verifier.target_model import load_target
     from edge_client.tokenizer import EdgeTokenizer
-    from shared.paths import default_draft_dir, default_draft_pt_dir
+    from shared.paths import default_draft_dir, draft_twin_dir
     from shared.prompts import CHAT_PROMPTS
 
     log.setLevel(logging.INFO)  # progress of a long run, whatever --log-level says
     draft_dir = args.draft_dir or default_draft_dir()
-    draft_pt_dir = args.draft_pt_dir or default_draft_pt_dir()
+    draft_pt_dir = args.draft_pt_dir or assistant_dir(draft_dir)
     target = load_target(args.target)
     tokenizer = EdgeTokenizer(draft_dir)
     prompts = [tokenizer.encode_chat(p) for p in CHAT_PROMPTS[:args.prompts]]
-    assistant = AutoModelForCausalLM.from_pretrained(draft_pt_dir, dtype=target.dtype).eval()
     counter = ForwardCounter(target.model)
     k, n = args.draft_len, args.max_new_tokens
 
@@ -153,16 +163,24 @@ def run_bench(args: argparse.Namespace) -> int:
     cases: list[CaseResult] = []
     log.info("(a) target alone")
     cases.append(_hf_case("a_target_generate", target, prompts, n, counter))
-    log.info("(b) assisted generation")
-    draft_counter = ForwardCounter(assistant)
-    assisted = _hf_case("b_hf_assisted", target, prompts, n, counter, assistant_model=assistant,
-                        num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
-                        assistant_confidence_threshold=0.0)
-    # Each assistant forward drafts one token; each target forward commits the accepted
-    # drafts plus one token, so accepted = new tokens - target forwards.
-    assisted.drafted = draft_counter.take()
-    assisted.accepted = assisted.new_tokens - assisted.target_forwards
-    cases.append(assisted)
+    if draft_pt_dir is None:
+        log.warning("(b) skipped: no full-vocabulary PyTorch copy of %s (edgespec-distill "
+                    "export writes one to %s; or pass --draft-pt-dir)", draft_dir,
+                    draft_twin_dir(draft_dir))
+    else:
+        log.info("(b) assisted generation with %s", draft_pt_dir)
+        assistant = AutoModelForCausalLM.from_pretrained(draft_pt_dir,
+                                                         dtype=target.dtype).eval()
+        draft_counter = ForwardCounter(assistant)
+        assisted = _hf_case("b_hf_assisted", target, prompts, n, counter,
+                            assistant_model=assistant, num_assistant_tokens=k,
+                            num_assistant_tokens_schedule="constant",
+                            assistant_confidence_threshold=0.0)
+        # Each assistant forward drafts one token; each target forward commits the accepted
+        # drafts plus one token, so accepted = new tokens - target forwards.
+        assisted.drafted = draft_counter.take()
+        assisted.accepted = assisted.new_tokens - assisted.target_forwards
+        cases.append(assisted)
     with EmbeddedVerifier(target, VerifierConfig(port=0)) as verifier:
         log.info("(c) edgespec over loopback")
         cases.append(_edgespec_case("c_edgespec_loopback", verifier.address, draft_dir,
@@ -177,6 +195,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     "torch_threads": torch.get_num_threads(), "device": str(target.device)},
         "config": {"prompts": len(prompts), "max_new_tokens": n, "draft_len": k,
                    "rtt_ms": args.rtt_ms, "target": target.name, "draft_dir": str(draft_dir),
+                   "assistant_dir": None if draft_pt_dir is None else str(draft_pt_dir),
                    "mode": "greedy"},
         "cases": {c.name: c.summary(None if c is reference else reference) for c in cases},
     }

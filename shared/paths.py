@@ -25,9 +25,21 @@ def default_target_dir() -> Path:
 
 def default_draft_dir() -> Path:
     """The ONNX draft model directory the edge client uses by default."""
+    return standin_draft_dir()
+
+
+def standin_draft_dir() -> Path:
+    """The untrained stand-in draft (the target's first layers) exported to ONNX by
+    ``edgespec-prepare``: checks the export path on the real target."""
     return cache_dir() / DRAFT_DIRNAME
 
 
-def default_draft_pt_dir() -> Path:
-    """The same draft weights as a PyTorch checkpoint (for assisted-generation baselines)."""
+def standin_draft_pt_dir() -> Path:
+    """The stand-in's weights as a PyTorch checkpoint (for assisted-generation baselines)."""
     return cache_dir() / DRAFT_PT_DIRNAME
+
+
+def draft_twin_dir(draft_dir: Path) -> Path:
+    """A distilled draft's full-vocabulary PyTorch twin, written by ``edgespec-distill
+    export`` beside the cache (for the assisted-generation case of ``edge-client bench``)."""
+    return cache_dir() / f"{Path(draft_dir).name}-pt"

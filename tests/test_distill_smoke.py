@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
@@ -117,7 +118,8 @@ def test_train_export_quantize_and_draft_on_the_edge(data, tmp_path):
     assert (vmap.sub_to_full < 0).sum() == 1
 
     results = export(ExportConfig(tmp_path / "run", tmp_path / "draft", data["heldout"],
-                                  data["target"], fp32_out=tmp_path / "fp32"))
+                                  data["target"], fp32_out=tmp_path / "fp32",
+                                  twin_out=tmp_path / "twin"))
     assert results["target_step_ms"] > 0
     out = tmp_path / "draft"
     for name in ("model.onnx", "vocab_map.npz", "tokenizer.json", "MODEL_CARD.md", "config.json"):
@@ -135,6 +137,14 @@ def test_train_export_quantize_and_draft_on_the_edge(data, tmp_path):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
     finite = np.isfinite(ref)
     np.testing.assert_allclose(got[finite], ref[finite], atol=1e-4, rtol=1e-4)
+
+    # The full-vocabulary PyTorch twin: the same logits on kept ids, 0 elsewhere.
+    twin = AutoModelForCausalLM.from_pretrained(tmp_path / "twin").eval()
+    with torch.no_grad():
+        twin_logits = twin(torch.tensor([ids])).logits[0].numpy()
+    assert twin_logits.shape == ref.shape
+    np.testing.assert_allclose(twin_logits[finite], ref[finite], atol=1e-4, rtol=1e-4)
+    assert np.all(twin_logits[~finite] == 0)
 
     # The int8 draft runs in the edge runtime, full-vocabulary in and out.
     edge = OnnxDraftModel(out, intra_op_threads=1)

@@ -836,6 +836,9 @@ class ExportConfig:
     per_channel: bool = True
     measure_target: bool = True  # time the target's 1-token step too, for the latency ratio
     keep_fp32: tuple[str, ...] = ("down_proj",)  # MatMuls whose names contain these stay fp32
+    # The full-vocabulary PyTorch twin (bench's assisted-generation case); default:
+    # shared.paths.draft_twin_dir(out).
+    twin_out: Path | None = None
 
 
 def export(cfg: ExportConfig) -> dict:
@@ -844,6 +847,7 @@ def export(cfg: ExportConfig) -> dict:
 
     from edge_client.tools.export_draft import TOKENIZER_FILES, export_onnx
     from shared.atomic_dir import staging_dir
+    from shared.paths import draft_twin_dir
 
     run = Path(cfg.run_dir)
     saved = json.loads((run / "run.json").read_text())
@@ -862,6 +866,10 @@ def export(cfg: ExportConfig) -> dict:
         for name in TOKENIZER_FILES:
             if (target_dir / name).is_file():
                 shutil.copy2(target_dir / name, staged / name)
+    twin_dir = Path(cfg.twin_out) if cfg.twin_out else draft_twin_dir(cfg.out)
+    with staging_dir(twin_dir) as staged:
+        full_vocab_twin(model, vmap).save_pretrained(staged, safe_serialization=True)
+    log.info("full-vocabulary PyTorch twin in %s", twin_dir)
     fp32_dir = Path(cfg.fp32_out) if cfg.fp32_out else run / "onnx-fp32"
     export_onnx(pt_dir, fp32_dir)
     if vmap.size != vmap.full_vocab_size:
@@ -910,6 +918,34 @@ def export(cfg: ExportConfig) -> dict:
         _write_json(staged / "distill_results.json", _jsonable(results))
     log.info("exported draft to %s", out)
     return results
+
+
+def full_vocab_twin(model, vmap: VocabMap):
+    """The draft as a LlamaForCausalLM over the target's whole vocabulary, for baselines
+    that need the target's vocabulary (transformers assisted generation).
+
+    Ids outside the subset read the <unk> embedding, as on the edge. Their output rows are
+    zero, so their logits are 0 where the edge has -inf: the twin drafts the same tokens
+    whenever the best kept logit is positive (LM heads' top logits are).
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    cfg = model.config.to_dict()
+    cfg.update(vocab_size=vmap.full_vocab_size, tie_word_embeddings=False)
+    twin = LlamaForCausalLM(type(model.config).from_dict(cfg))
+    state = {k: v for k, v in model.state_dict().items()
+             if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+    twin.load_state_dict(state, strict=False)
+    full_to_sub = torch.from_numpy(vmap.full_to_sub())
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        twin.get_input_embeddings().weight.copy_(emb[full_to_sub])
+        head = emb[full_to_sub].clone()
+        if vmap.unk >= 0:
+            head[full_to_sub == vmap.unk] = 0.0
+        twin.lm_head.weight.copy_(head)
+    return twin.eval()
 
 
 def _matmuls_named(onnx_path: Path, patterns: Sequence[str]) -> list[str]:

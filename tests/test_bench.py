@@ -1,0 +1,39 @@
+"""``edge-client bench`` on the tiny pair: every case reproduces the target, and case (b)
+is skipped, not faked, when the draft has no PyTorch copy."""
+
+from __future__ import annotations
+
+import json
+
+
+def run(tmp_path, pair, *extra: str) -> dict:
+    from edge_client.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--json", str(out), "--target", str(pair.target_dir), "--draft-dir",
+               str(pair.draft_dir), "--prompts", "2", "--max-new-tokens", "6",
+               "--draft-len", "3", "--rtt-ms", "10", *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_cases_reproduce_the_target(tiny_llama_pair, tmp_path):
+    report = run(tmp_path, tiny_llama_pair, "--draft-pt-dir", str(tiny_llama_pair.draft_pt_dir))
+    cases = report["cases"]
+    assert list(cases) == ["a_target_generate", "b_hf_assisted", "c_edgespec_loopback",
+                           "d_edgespec_rtt10ms"]
+    for name, c in cases.items():
+        assert c["new_tokens"] > 0 and c["tokens_per_s"] > 0
+        if name != "a_target_generate":
+            assert c["outputs_identical_to_target"] == 2, name
+    assert cases["c_edgespec_loopback"]["round_trips_per_token"] <= 1
+    assert report["config"]["assistant_dir"] == str(tiny_llama_pair.draft_pt_dir)
+
+
+def test_bench_skips_assisted_case_without_a_pytorch_draft(tiny_llama_pair, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "empty-cache"))
+    report = run(tmp_path, tiny_llama_pair)
+    assert "b_hf_assisted" not in report["cases"]
+    assert report["config"]["assistant_dir"] is None
+    assert report["cases"]["c_edgespec_loopback"]["outputs_identical_to_target"] == 2

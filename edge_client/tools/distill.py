@@ -849,6 +849,7 @@ def export(cfg: ExportConfig) -> dict:
     from shared.atomic_dir import staging_dir
     from shared.paths import draft_twin_dir
 
+    t_start = time.perf_counter()
     run = Path(cfg.run_dir)
     saved = json.loads((run / "run.json").read_text())
     arch = _arch_from_json(saved["arch"])
@@ -913,7 +914,8 @@ def export(cfg: ExportConfig) -> dict:
             log.info("%s ONNX heldout: %s", key, _fmt(results[key]))
         if cfg.measure_target:
             results["target_step_ms"] = measure_target_step_ms(target_dir)
-        card = model_card(arch, model, vmap, ck, saved, results, cfg)
+        card = model_card(arch, model, vmap, ck, saved, results, cfg,
+                          time.perf_counter() - t_start)
         (staged / "MODEL_CARD.md").write_text(card)
         _write_json(staged / "distill_results.json", _jsonable(results))
     log.info("exported draft to %s", out)
@@ -993,7 +995,7 @@ def measure_target_step_ms(target_dir: Path, context: int = 128, steps: int = 16
 
 
 def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, results: dict,
-               cfg: ExportConfig) -> str:
+               cfg: ExportConfig, export_s: float) -> str:
     st, tc = ck["state"], ck.get("train_config", {})
     n_params = sum(p.numel() for p in model.parameters())
     lines = [
@@ -1045,11 +1047,20 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
         lines.append(f"The target's 1-token step (PyTorch, same machine, same moment): "
                      f"{results['target_step_ms']} ms.")
     manifest = Path(str(tc.get("data", ""))) / "manifest.json"
+    gen_s = None
     if manifest.is_file():
         m = json.loads(manifest.read_text())
+        gen_s = sum(sh.get("seconds", 0.0) for sh in m.get("shards", {}).values())
         lines.append(f"Data directory at export time: {m.get('total_prompts')} prompts, "
                      f"{m.get('total_tokens')} generated tokens with top-k p.")
-    lines.append("")
+    lines += ["", "## Pipeline wall time", "",
+              "| stage | minutes |", "|---|---|"]
+    if gen_s is not None:
+        lines.append(f"| gen-data (sum over shards; each shard is one single-thread worker, "
+                     f"so parallel workers overlap) | {gen_s / 60:.1f} |")
+    lines += [f"| train | {st['wall_s'] / 60:.1f} |",
+              f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
+              f"| total | {((gen_s or 0.0) + st['wall_s'] + export_s) / 60:.1f} |", ""]
     return "\n".join(lines)
 
 

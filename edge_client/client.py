@@ -24,6 +24,7 @@ import numpy as np
 from edge_client.combined_drafter import DRAFTER_KINDS, Drafter, make_drafter
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, Proposal
+from edge_client.rate_chooser import CONTINUE, SPEC, RateChooser
 from edge_client.rounds import (  # noqa: F401 - ProtocolError is part of this module's API
     NO_DRAFTS,
     GenerationRounds,
@@ -52,8 +53,10 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
-    # Cap K by the server's RoundResult.suggested_draft_len. Off by default: the suggestion
-    # depends on server load, so sampled outputs would no longer be a function of the seed.
+    # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
+    # choose drafting or server-side decoding (Continue) by measured rate
+    # (edge_client.rate_chooser). Off by default: both depend on load, so sampled outputs
+    # would no longer be a function of the seed (they stay exact in distribution).
     follow_suggested_draft_len: bool = False
 
     def __post_init__(self) -> None:
@@ -111,6 +114,8 @@ class EdgeClient:
         self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
         self.transport = Transport(address, api_key=api_key, rtt_ms=rtt_ms, timeout_s=timeout_s)
         self.use_stream = use_stream
+        # Measured rates of drafting vs Continue on this connection, across generations.
+        self.chooser = RateChooser()
         self.info = self.transport.info()
         self._check_compatible()
 
@@ -181,34 +186,41 @@ class Generation:
                           top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
                           stop_token_ids=tuple(cfg.stop_token_ids), ignore_eos=cfg.ignore_eos),
             ServerLimits.from_info(client.info), cfg.draft_len,
-            follow_suggestion=cfg.follow_suggested_draft_len)
+            follow_suggestion=cfg.follow_suggested_draft_len,
+            chooser=client.chooser if cfg.follow_suggested_draft_len else None)
         try:
             proposal = self._propose(drafter, state)
             opened = rounds.open(state.open_request(proposal))
-            session_id, result = opened.session_id, opened.first_round
-            while True:
-                new = state.apply(proposal, result)
-                self.token_ids.extend(new)
-                self._account(result, len(proposal.tokens), len(new))
-                yield new
-                if state.finished:
-                    break
-                if state.next_k() == 0:  # no drafts: the server decodes in the session
+            session_id = opened.session_id
+            yield from self._apply(state, proposal, opened.first_round)
+            while not state.finished:
+                t0 = time.perf_counter()
+                if state.wants_continue():  # the server decodes in the session
+                    before = len(state.committed)
                     for result in rounds.continue_(state.continue_request(session_id)):
-                        new = state.apply(NO_DRAFTS, result)
-                        self.token_ids.extend(new)
-                        self._account(result, 0, len(new))
-                        yield new
-                    if state.finished:
-                        break
+                        yield from self._apply(state, NO_DRAFTS, result)
+                    state.observe(CONTINUE, len(state.committed) - before,
+                                  time.perf_counter() - t0)
+                    continue
                 proposal = self._propose(drafter, state)
                 result = rounds.verify(state.verify_request(session_id, proposal)).result
+                n = yield from self._apply(state, proposal, result)
+                state.observe(SPEC, n, time.perf_counter() - t0)
         finally:
             rounds.end()
             stats.round_trips = self.wire.round_trips
             stats.bytes_up, stats.bytes_down = self.wire.bytes_up, self.wire.bytes_down
             stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
             stats.wall_s = time.perf_counter() - started
+
+    def _apply(self, state: GenerationRounds, proposal: Proposal,
+               result: pb.RoundResult) -> Iterator[list[int]]:
+        """Applies one round's result and yields its new tokens; returns how many."""
+        new = state.apply(proposal, result)
+        self.token_ids.extend(new)
+        self._account(result, len(proposal.tokens), len(new))
+        yield new
+        return len(new)
 
     def _propose(self, drafter: Drafter, state: GenerationRounds) -> Proposal:
         t0 = time.perf_counter()

@@ -82,6 +82,7 @@ import numpy as np
 
 from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
 from edge_client.netem import PROFILES, NetEm, NetworkProfile, profile
+from edge_client.rate_chooser import CONTINUE, SPEC, RateChooser
 from edge_client.rounds import (
     NO_DRAFTS,
     GenerationRounds,
@@ -137,6 +138,9 @@ class FleetConfig:
     mode: str = "spec"
     drafts: str = "replay"
     draft_len: int = 4
+    # Spec clients pick drafting or Continue by measured rate (edge_client.rate_chooser);
+    # off: draft whenever the server's suggestion allows.
+    adaptive: bool = True
     chat_tokens: int = 128  # max new tokens of a chat answer
     prompts: int = 8  # distinct chat prompts / IME sentences the clients cycle through
     think_ms: float | None = None  # pause before each request; None: 0 chat, 300 IME
@@ -579,6 +583,7 @@ class RequestRecord:
     reopens: int = 0
     drafted: int = 0
     accepted: int = 0
+    continued: int = 0  # tokens from Continue streams (server-side decoding)
     prompt_key: str = ""
     max_new_tokens: int = 0
     output: list[int] = field(default_factory=list)  # every token received
@@ -597,6 +602,8 @@ class Device:
         self.schedule = schedule
         self.rng = rng
         self.records: list[RequestRecord] = []
+        # Drafting vs Continue by measured rate, across this device's generations.
+        self.chooser = RateChooser() if config.adaptive else None
         think = config.think_ms if config.think_ms is not None else (300.0 if kind == "ime"
                                                                      else 0.0)
         self.think_s = think / 1000
@@ -640,34 +647,43 @@ class Device:
                     record: RequestRecord) -> None:
         assert self.drafts is not None
         rounds = GenerationRounds(list(request.prompt_ids), params, self.limits,
-                                  self.config.draft_len)
+                                  self.config.draft_len, chooser=self.chooser)
         propose = self.drafts.start(request, np.random.default_rng(params.seed))
         session_id: str | None = None
         retry_verify = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         try:
             proposal = await propose(rounds.committed, rounds.next_k())
             opened = await self.link.unary("OpenSession", rounds.open_request(proposal), ())
-            session_id, result = opened.session_id, opened.first_round
-            while True:
-                self._apply(record, rounds, proposal, result, time.perf_counter())
-                if rounds.finished:
-                    session_id = None  # the server closed it
-                    return
+            session_id = opened.session_id
+            self._apply(record, rounds, proposal, opened.first_round, time.perf_counter())
+            while not rounds.finished:
                 proposal = None
+                before = len(rounds.committed)
                 try:
-                    if rounds.next_k() == 0:  # drafting does not pay: the server decodes
+                    if rounds.wants_continue():  # drafting does not pay: the server decodes
+                        t0 = at = time.perf_counter()
                         async with contextlib.aclosing(self.link.stream(
                                 "Continue", rounds.continue_request(session_id))) as stream:
                             async for at, result in stream:
                                 self._apply(record, rounds, NO_DRAFTS, result, at)
-                        if rounds.finished:
-                            session_id = None
-                            return
+                        record.continued += len(rounds.committed) - before
+                        rounds.observe(CONTINUE, len(rounds.committed) - before, at - t0)
+                        continue
+                    t0 = time.perf_counter()
                     proposal = await propose(rounds.committed, rounds.next_k())
                     result = (await self.link.unary(
                         "Verify", rounds.verify_request(session_id, proposal),
                         retry_verify)).result
+                    now = time.perf_counter()
+                    rounds.observe(SPEC, self._apply(record, rounds, proposal, result, now),
+                                   now - t0)
                 except grpc.aio.AioRpcError as err:
+                    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
+                            and len(rounds.committed) > before:
+                        # A Continue stream cut after progress (the KV budget was full for
+                        # its next round): nothing lost; back off and carry on.
+                        await self.link.backoff(0, _retry_after_ms(err))
+                        continue
                     # Every reopen commits at least one token (its first round), so the
                     # generation always progresses; the bound only guards a broken server.
                     if not _is_evicted(err) or \
@@ -679,7 +695,10 @@ class Device:
                         proposal = await propose(rounds.committed, rounds.next_k())
                     opened = await self.link.unary("OpenSession",
                                                    rounds.reopen_request(proposal), ())
-                    session_id, result = opened.session_id, opened.first_round
+                    session_id = opened.session_id
+                    self._apply(record, rounds, proposal, opened.first_round,
+                                time.perf_counter())
+            session_id = None  # finished: the server closed it
         finally:
             if session_id is not None:  # cut short: free the server's KV cache now
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
@@ -688,12 +707,14 @@ class Device:
                         timeout=CLOSE_TIMEOUT_S), CLOSE_TIMEOUT_S)
 
     def _apply(self, record: RequestRecord, rounds: GenerationRounds, proposal: Proposal,
-               result: pb.RoundResult, at: float) -> None:
+               result: pb.RoundResult, at: float) -> int:
+        """Applies one round's result delivered at ``at``; returns the tokens it added."""
         new = rounds.apply(proposal, result)
         record.output.extend(new)
         self._event(record, at, len(new), result.target_forwards, result.timing)
         record.drafted += len(proposal.tokens)
         record.accepted += result.num_accepted
+        return len(new)
 
     async def _baseline(self, request: Request, params: SessionParams,
                         record: RequestRecord) -> None:
@@ -801,6 +822,8 @@ def _summarize(records: list[RequestRecord], window_s: float,
         "bytes_up_per_token": per_token(up),
         "bytes_down_per_token": per_token(down),
         "acceptance_rate": accepted / drafted if drafted else None,
+        # Share of the tokens that came from Continue streams (spec mode).
+        "continued_share": per_token(sum(r.continued for r in records)),
         # Server-side time (RoundResult / GenerateResponse timing) per token delivered.
         "server_queue_ms_per_token": per_token(queue_s * 1000),
         "server_forward_ms_per_token": per_token(forward_s * 1000),
@@ -973,6 +996,7 @@ def _report(address: str, config: FleetConfig, info: pb.GetInfoResponse,
         "drafts": config.drafts if config.mode == "spec" else None,
         "replay_recorded_requests": recorded,
         "draft_len": config.draft_len,
+        "adaptive": config.adaptive if config.mode == "spec" else None,
         "temperature": config.temperature,
         "chat_tokens": config.chat_tokens,
         "address": address,
@@ -1035,6 +1059,9 @@ def add_common_args(p) -> None:
                    help="spec mode: run the ONNX draft on each client, or replay drafts "
                         "recorded once from it (greedy only; keeps edge CPU out of the run)")
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="spec clients draft whenever the server's suggestion allows, instead "
+                        "of choosing drafting or server-side decoding by measured rate")
     p.add_argument("--chat-tokens", type=int, default=128, help="max new tokens per chat answer")
     p.add_argument("--prompts", type=int, default=8,
                    help="distinct chat prompts / IME sentences the clients cycle through")
@@ -1063,7 +1090,8 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
                      duration_s: float) -> FleetConfig:
     return FleetConfig(
         clients=clients, duration_s=duration_s, profile=profile_name, workload=args.workload,
-        mode=mode, drafts=args.drafts, draft_len=args.draft_len, chat_tokens=args.chat_tokens,
+        mode=mode, drafts=args.drafts, draft_len=args.draft_len,
+        adaptive=not args.no_adaptive, chat_tokens=args.chat_tokens,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
         seed=args.seed, deadline_s=args.deadline, progress=not args.no_progress)
 

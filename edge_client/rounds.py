@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge_client.drafter import Proposal
+from edge_client.rate_chooser import CONTINUE, RateChooser
 from shared.pb import verifier_pb2 as pb
 
 
@@ -67,7 +68,8 @@ class GenerationRounds:
     """The committed tokens of one generation and the protocol state around them."""
 
     def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
-                 draft_len: int, follow_suggestion: bool = True) -> None:
+                 draft_len: int, follow_suggestion: bool = True,
+                 chooser: RateChooser | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if draft_len < 0:
@@ -79,6 +81,10 @@ class GenerationRounds:
         # depend on load too (still exact in distribution); off keeps them a function of
         # the seed alone.
         self.follow_suggestion = follow_suggestion
+        # Picks drafting or Continue by measured rate (edge_client.rate_chooser); None: draft
+        # whenever K > 0.
+        self.chooser = chooser
+        self._server_decodes = False  # the pending Continue is the server's K = 0 call
         self.prompt_len = len(prompt_ids)
         self.committed = list(prompt_ids)  # prompt + generated
         self.round_no = 0  # the number of the next round of the current session
@@ -122,12 +128,32 @@ class GenerationRounds:
         return pb.VerifyRequest(session_id=session_id, round=self.round_no,
                                 draft=draft_to_pb(proposal))
 
+    def wants_continue(self) -> bool:
+        """Whether the next tokens should come from a Continue stream rather than a drafted
+        round: when K is 0 (the server's suggestion, our draft_len, or the room left), or
+        when the chooser finds it faster. Call once per decision."""
+        self._server_decodes = self.next_k() == 0
+        if self._server_decodes:
+            return True
+        return self.chooser is not None and self.chooser.choose() == CONTINUE
+
     def continue_request(self, session_id: str) -> pb.ContinueRequest:
-        """When ``next_k()`` is 0: let the server decode in the session, no round trip per
+        """After ``wants_continue()``: the server decodes in the session, no round trip per
         token; each streamed RoundResult is applied with ``NO_DRAFTS``."""
-        return pb.ContinueRequest(
-            session_id=session_id, round=self.round_no, max_tokens=self.remaining,
-            stop_when_drafting_pays=self.follow_suggestion and self.draft_len > 0)
+        if self._server_decodes:  # until drafting pays again (if we draft at all)
+            return pb.ContinueRequest(
+                session_id=session_id, round=self.round_no, max_tokens=self.remaining,
+                stop_when_drafting_pays=self.follow_suggestion and self.draft_len > 0)
+        assert self.chooser is not None
+        return pb.ContinueRequest(session_id=session_id, round=self.round_no,
+                                  max_tokens=min(self.remaining,
+                                                 self.chooser.continue_tokens()))
+
+    def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        """Feeds the chooser: ``tokens`` delivered by a drafted round (SPEC) or a Continue
+        stream (CONTINUE) in ``seconds``, request to last reply."""
+        if self.chooser is not None:
+            self.chooser.observe(mode, tokens, seconds)
 
     def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
         """Commits d_1..d_n + the next token (cut where the server says it finished);

@@ -83,6 +83,24 @@ def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llam
     assert s.round_trips == 2 and s.rounds == s.target_forwards == 20 and s.drafted == 0
 
 
+@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+def test_adaptive_client_mixes_drafting_and_continue_and_keeps_the_output(
+        verifier, tiny_llama_pair, target, use_stream):
+    """follow_suggested_draft_len: the client measures drafting, then Continue, and picks by
+    rate; greedy output is the target's whichever it picks."""
+    want = hf_greedy(target, PROMPT, 30)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, use_stream=use_stream) as c:
+        config = GenerationConfig(max_new_tokens=30, draft_len=3, ignore_eos=True,
+                                  follow_suggested_draft_len=True)
+        for _ in range(2):  # the second generation starts from the first one's rates
+            gen = c.generate(PROMPT, config)
+            list(gen)
+            assert gen.token_ids == want
+        assert c.chooser.rate["spec"] is not None and c.chooser.rate["continue"] is not None
+        s = gen.stats
+        assert s.round_trips <= s.rounds == s.target_forwards
+
+
 def test_stop_token_ends_generation(client, target):
     want = hf_greedy(target, PROMPT, 30)
     stop = want[5]

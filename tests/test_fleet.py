@@ -16,6 +16,7 @@ from cloud_verifier.server import EmbeddedVerifier
 from edge_client.drafter import Proposal
 from edge_client.fleet import FleetConfig, NotLoopback, require_loopback, run_fleet_async
 from edge_client.netem import PROFILES, Link, NetEm
+from edge_client.rate_chooser import CONTINUE, EXPLORE_CONTINUE_TOKENS, SPEC, RateChooser
 from edge_client.rounds import GenerationRounds, ProtocolError, ServerLimits, SessionParams
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
@@ -114,6 +115,43 @@ def test_rounds_follow_the_suggested_draft_len_and_the_room_left():
     assert r.next_k() == 2  # no suggestion: own K, but only 3 tokens remain
     r.apply(Proposal([1, 2], None), result(3, 2, 9, 7, finished=True))
     assert r.finished and r.remaining == 0
+
+
+def test_rate_chooser_picks_the_faster_mode_and_keeps_measuring_the_other():
+    c = RateChooser(weight=0.5, explore_every=4)
+    assert c.choose() == SPEC  # nothing measured yet: draft first
+    c.observe(SPEC, 2, 0.2)  # 10 tok/s
+    assert c.choose() == CONTINUE  # then measure the server decoding alone
+    assert c.continue_tokens() == EXPLORE_CONTINUE_TOKENS
+    c.observe(CONTINUE, 16, 0.8)  # 20 tok/s
+    picks = [c.choose() for _ in range(8)]
+    # Continue is faster; every 4th decision re-measures drafting.
+    assert picks == [CONTINUE, CONTINUE, CONTINUE, SPEC] * 2
+    c.observe(SPEC, 9, 0.2)  # drafting got much faster (45 -> EMA 27.5 tok/s)
+    assert c.rate[SPEC] == pytest.approx(27.5)
+    assert c.choose() == SPEC
+    c.observe(SPEC, 0, 0.1)  # nothing delivered: no information, ignored
+    assert c.rate[SPEC] == pytest.approx(27.5)
+
+
+def test_rounds_continue_when_k_is_zero_or_when_the_chooser_says_so():
+    chooser = RateChooser()
+    r = GenerationRounds([5], SessionParams(max_new_tokens=100), LIMITS, draft_len=4,
+                         chooser=chooser)
+    assert not r.wants_continue()  # drafting is measured first
+    r.apply(Proposal([1, 2], None), result(0, 2, 9, 4, suggested=0))
+    assert r.wants_continue()  # the server says drafting does not pay: until it does
+    req = r.continue_request("s")
+    assert (req.round, req.max_tokens, req.stop_when_drafting_pays) == (1, 97, True)
+    r.apply(Proposal([], None), result(1, 0, 9, 5, suggested=3))
+    r.observe(SPEC, 3, 0.3)
+    assert r.wants_continue()  # the chooser has not measured Continue yet
+    req = r.continue_request("s")
+    assert (req.max_tokens, req.stop_when_drafting_pays) == (EXPLORE_CONTINUE_TOKENS, False)
+    # Without a chooser, only K = 0 leads to Continue.
+    plain = GenerationRounds([5], SessionParams(max_new_tokens=100), LIMITS, draft_len=0)
+    assert plain.wants_continue()
+    assert plain.continue_request("s").stop_when_drafting_pays is False
 
 
 def test_reopen_resends_the_full_context_with_the_same_params():
@@ -373,7 +411,7 @@ def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, t
         res = fleet(tight.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
     a = res["aggregate"]
     assert a["reopens"] > 0 and a["errors"].get("NOT_FOUND", 0) >= a["reopens"]
-    assert a["requests_failed"] == 0 and a["tokens"] > 0
+    assert a["requests_failed"] == 0 and a["tokens"] > 0, a
     got = completed_outputs(res)
     assert got.keys() & want.keys()
     assert all(got[k] == want[k] for k in got.keys() & want.keys())

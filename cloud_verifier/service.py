@@ -117,6 +117,17 @@ def _unary(handler):
     return wrapper
 
 
+def _on_stream(message, kind: str, session_id: str):
+    """A verify / continue_decoding message on a Session stream, bound to its session."""
+    if not session_id:
+        raise InvalidRequest("the first message on a stream must be open")
+    if message.session_id and message.session_id != session_id:
+        raise InvalidRequest(f"{kind}.session_id differs from the stream's session; leave "
+                             "it empty on a stream")
+    message.session_id = session_id
+    return message
+
+
 class VerifierService(pb_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine, config: VerifierConfig, info: ModelInfo,
                  metrics: VerifierMetrics) -> None:
@@ -179,24 +190,13 @@ class VerifierService(pb_grpc.VerifierServicer):
                         session_id = opened.session_id
                         yield pb.SessionResponse(opened=opened)
                     elif kind == "verify":
-                        if not session_id:
-                            raise InvalidRequest("the first message on a stream must be open")
-                        verify = request.verify
-                        if verify.session_id and verify.session_id != session_id:
-                            raise InvalidRequest("verify.session_id differs from the stream's "
-                                                 "session; leave it empty on a stream")
-                        verify.session_id = session_id
+                        verify = _on_stream(request.verify, kind, session_id)
                         verified = await self._verify(verify, owner)
                         yield pb.SessionResponse(verified=verified)
                         if verified.result.finished or verify.close:
                             session_id = ""
                     elif kind == "continue_decoding":
-                        if not session_id:
-                            raise InvalidRequest("the first message on a stream must be open")
-                        cont = request.continue_decoding
-                        if cont.session_id and cont.session_id != session_id:
-                            raise InvalidRequest("continue_decoding.session_id differs from "
-                                                 "the stream's session; leave it empty")
+                        cont = _on_stream(request.continue_decoding, kind, session_id)
                         session = self.store.get(session_id, owner)
                         async for result in self._continue(session, cont):
                             yield pb.SessionResponse(continued=result)

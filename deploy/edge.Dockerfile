@@ -1,7 +1,7 @@
 # The edge client: slim, the `edge` extra only (onnxruntime, numpy, tokenizers, grpcio).
 #   docker build -f deploy/edge.Dockerfile -t edgespec-edge .
-#   docker run -v ~/.cache/edgespec/draft-standin-onnx:/draft edgespec-edge \
-#       generate --server verifier:50051 --draft-dir /draft --prompt "Hello"
+#   docker run edgespec-edge generate --server verifier:50051 --prompt "Hello"
+# The distilled default draft ships inside the package (edge_client/drafts).
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1

@@ -1,7 +1,8 @@
 """Where prepared model assets live on disk.
 
 Everything that `edgespec-prepare` builds goes under one cache directory, taken from
-``EDGESPEC_CACHE`` or ``~/.cache/edgespec``. Nothing here downloads anything.
+``EDGESPEC_CACHE`` or ``~/.cache/edgespec``; the default draft ships inside the package.
+Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from pathlib import Path
 TARGET_DIRNAME = "smollm2-135m-instruct"
 DRAFT_DIRNAME = "draft-standin-onnx"
 DRAFT_PT_DIRNAME = "draft-standin-pt"
+# The distilled draft committed under edge_client/drafts (edgespec-distill; see its card).
+SHIPPED_DRAFT = "smollm2-draft-v2"
 
 
 def cache_dir() -> Path:
@@ -24,8 +27,9 @@ def default_target_dir() -> Path:
 
 
 def default_draft_dir() -> Path:
-    """The ONNX draft model directory the edge client uses by default."""
-    return standin_draft_dir()
+    """The ONNX draft the edge client uses by default: the distilled draft shipped in the
+    package (``edge_client/drafts``), so it needs no preparation."""
+    return Path(__file__).resolve().parent.parent / "edge_client" / "drafts" / SHIPPED_DRAFT
 
 
 def standin_draft_dir() -> Path:

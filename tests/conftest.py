@@ -91,14 +91,14 @@ def tiny_llama_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyLlamaPair:
 
 @pytest.fixture(scope="session")
 def real_assets() -> tuple[Path, Path]:
-    """(target checkpoint dir, ONNX draft dir) prepared by ``edgespec-prepare``.
+    """(target checkpoint dir, stand-in ONNX draft dir) prepared by ``edgespec-prepare``.
 
     Skips on a developer machine that has not prepared them; fails under CI, where
     ``.ci/run`` prepares them, so that the real-model tests can never silently not run.
     """
     from shared import paths
 
-    target, draft = paths.default_target_dir(), paths.default_draft_dir()
+    target, draft = paths.default_target_dir(), paths.standin_draft_dir()
     if (target / "model.safetensors").is_file() and (draft / "model.onnx").is_file():
         return target, draft
     message = f"real assets not prepared under {paths.cache_dir()}; run edgespec-prepare"

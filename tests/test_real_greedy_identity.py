@@ -1,7 +1,7 @@
 """Greedy edge+cloud output is the real target's own greedy output, token for token.
 
-20 chat prompts x 48 new tokens with SmolLM2-135M-Instruct as the target and the prepared
-ONNX draft on the client, through real gRPC. The reference is transformers' greedy
+20 chat prompts x 48 new tokens with SmolLM2-135M-Instruct as the target and the shipped
+distilled ONNX draft on the client, through real gRPC. The reference is transformers' greedy
 ``generate``. Verification scores K+1 positions in one forward while ``generate`` scores one
 at a time, so logits differ in the last bits (measured: at most 7.6e-5 on this CPU). A
 divergence is accepted only where the reference's two best logits are within NEAR_TIE of
@@ -17,6 +17,7 @@ from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.target_model import load_target
 from edge_client.client import EdgeClient, GenerationConfig
+from shared.paths import default_draft_dir
 from shared.prompts import CHAT_PROMPTS
 
 NEW_TOKENS = 48
@@ -34,7 +35,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def test_greedy_edge_cloud_matches_target_generate(real_assets):
-    target_dir, draft_dir = real_assets
+    target_dir, _ = real_assets
+    draft_dir = default_draft_dir()  # the shipped distilled draft: multi-token rounds
     target = load_target(target_dir, device="cpu", dtype="float32")
     explained = []
     with EmbeddedVerifier(target, VerifierConfig(port=0)) as verifier, \

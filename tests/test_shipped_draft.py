@@ -1,17 +1,17 @@
-"""The distilled draft committed in edge_client/drafts loads as the edge loads it and speaks
-the target's vocabulary."""
+"""The distilled draft committed in edge_client/drafts, the default, loads as the edge loads
+it and speaks the target's vocabulary."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.tokenizer import EdgeTokenizer
+from shared.paths import default_draft_dir
 
-SHIPPED = Path(__file__).resolve().parent.parent / "edge_client" / "drafts" / "smollm2-draft-v1"
+SHIPPED = default_draft_dir()
 SMOLLM2_VOCAB = 49152
 MAX_BYTES = 50 * 10**6
 

@@ -218,7 +218,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                     request, self.limits, frozenset(self.info.eos_token_ids)), owner)
                 for round_no in itertools.count():
                     result = await self._round(session, round_no, _NO_DRAFT, _NO_DRAFT_DIGEST,
-                                               False)
+                                               False, follow_up=True)
                     yield pb.GenerateResponse(
                         token_ids=[result.next_token], committed_length=result.committed_length,
                         finished=result.finished,
@@ -242,7 +242,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise InvalidRequest("max_tokens must be at least 1")
         for round_no in range(request.round, request.round + request.max_tokens):
             result = result_to_pb(await self._round(session, round_no, _NO_DRAFT,
-                                                    _NO_DRAFT_DIGEST, False))
+                                                    _NO_DRAFT_DIGEST, False, follow_up=True))
             yield result
             if result.finished or (request.stop_when_drafting_pays
                                    and result.suggested_draft_len):
@@ -285,7 +285,7 @@ class VerifierService(pb_grpc.VerifierServicer):
         return pb.VerifyResponse(result=result_to_pb(result))
 
     async def _round(self, session: Session, round_no: int, draft: DraftRound, digest: bytes,
-                     close: bool) -> RoundResult:
+                     close: bool, follow_up: bool = False) -> RoundResult:
         """Runs one round of a session, shielded from the caller hanging up.
 
         The round (checks, forward, bookkeeping) runs as its own task holding the session
@@ -293,7 +293,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         caller goes away before the forward starts, the round is dropped unapplied.
         """
         ticket: list[Ticket] = []
-        task = self._spawn(self._locked_round(session, round_no, draft, digest, close, ticket))
+        task = self._spawn(self._locked_round(session, round_no, draft, digest, close, ticket,
+                                              follow_up))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -302,7 +303,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             raise
 
     async def _locked_round(self, session: Session, round_no: int, draft: DraftRound,
-                            digest: bytes, close: bool, ticket_out: list) -> RoundResult:
+                            digest: bytes, close: bool, ticket_out: list,
+                            follow_up: bool) -> RoundResult:
         async with session.lock:
             last = session.last_result
             if last is not None and round_no == last.round \
@@ -321,7 +323,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                     f"{session.next_round}" + (" (a retry must resend the same draft)"
                                                if last is not None and round_no == last.round
                                                else ""))
-            ticket = self.batcher.submit(session, draft)
+            ticket = self.batcher.submit(session, draft, follow_up)
             ticket_out.append(ticket)
             try:
                 outcome = await ticket.future

@@ -20,6 +20,8 @@ from cloud_verifier.packed_forward import Segment, packed_forward, sequential_fo
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
 from edge_client.client import EdgeClient, GenerationConfig
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.sampling import SamplingParams
 
 PROMPT_LENGTHS = [3, 20, 7, 12, 1, 30, 9, 15]
@@ -171,3 +173,37 @@ def test_failed_open_leaves_no_session_behind(target):
                                                    first_draft=pb.Draft()))
         server.call(asyncio.sleep(0.05))  # let the close run
         assert len(server.server.service.store) == 0
+
+
+def test_concurrent_streams_share_forwards(target):
+    """Streamed sessions (Generate, Continue) resubmit right after each answer; the batcher
+    waits briefly for them, so four streams of 24 tokens take about 24 forwards, not 96."""
+    import threading
+
+    with EmbeddedVerifier(target, VerifierConfig(port=0)) as server:
+        engine = server.server.service.engine
+        batches: list[int] = []
+        run_batch = engine.run_batch
+
+        def counting(rounds):
+            batches.append(len(rounds))
+            return run_batch(rounds)
+
+        engine.run_batch = counting
+        outputs: dict[int, list[int]] = {}
+
+        def stream(i: int) -> None:
+            with grpc.insecure_channel(server.address) as channel:
+                replies = pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(
+                    prompt_token_ids=[1, 5 + i, 9], max_new_tokens=24, ignore_eos=True))
+                outputs[i] = [t for r in replies for t in r.token_ids]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(outputs) == [0, 1, 2, 3] and all(len(o) == 24 for o in outputs.values())
+    # The streams start at slightly different times; after that they share every forward.
+    assert len(batches) <= 24 + 6, batches
+    assert sum(batches) == 4 * 24

@@ -12,8 +12,9 @@ server never spends more compute per token than plain decoding would need.
 from __future__ import annotations
 
 DEFAULT_TOKEN_COST = 0.081
-# With K = 0, alpha is never measured again; probe with K = 1 every this many rounds.
-PROBE_EVERY = 8
+# With K = 0, alpha is never measured again; probe with K = 1 every this many rounds. Each
+# probe ends the client's Continue stream (one round trip), so it is kept rare.
+PROBE_EVERY = 32
 
 
 def expected_tokens(alpha: float, k: int) -> float:

@@ -7,7 +7,7 @@ draft's acceptance on this kind of text and the server's load, all of which move
 model them, a ``RateChooser`` measures both: an exponential moving average of delivered tokens
 per second for each mode, timed by the caller from request to reply (so network, drafting,
 queueing and forwards are all in it). It picks the faster mode and re-measures the slower one
-every ``explore_every`` decisions, so it notices when load or acceptance changes.
+every ``explore_every`` decisions (16), so it notices when load or acceptance changes.
 
 One chooser lives as long as a device's connection (it spans generations: a short IME
 completion alone is too short to learn anything). The server's ``suggested_draft_len = 0``
@@ -21,12 +21,12 @@ SPEC = "spec"
 CONTINUE = "continue"
 # Tokens per Continue stream the chooser asks for: long enough that the stream's one round
 # trip is small against its decoding time, short enough to re-measure drafting soon.
-CONTINUE_TOKENS = 32
+CONTINUE_TOKENS = 64
 EXPLORE_CONTINUE_TOKENS = 16
 
 
 class RateChooser:
-    def __init__(self, weight: float = 0.3, explore_every: int = 8) -> None:
+    def __init__(self, weight: float = 0.3, explore_every: int = 16) -> None:
         if not 0 < weight <= 1 or explore_every < 2:
             raise ValueError("weight must be in (0, 1] and explore_every at least 2")
         self.weight = weight

@@ -14,6 +14,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.draft_policy import PROBE_EVERY
 from cloud_verifier.server import EmbeddedVerifier
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
@@ -320,31 +321,33 @@ def test_continue_streams_plain_decoding_in_the_session(target):
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)
-        want = reference_greedy(target, PROMPT, 20)
-        opened = open_session(stub, max_new_tokens=20,
+        n = 2 * PROBE_EVERY + 6
+        want = reference_greedy(target, PROMPT, n)
+        opened = open_session(stub, max_new_tokens=n,
                               first_draft=pb.Draft(token_ids=[want[0], 3]))
         first = opened.first_round
         assert first.suggested_draft_len == 0  # plain decoding is cheaper
         got = [want[0], first.next_token] if first.num_accepted else [first.next_token]
         replies = list(stub.Continue(pb.ContinueRequest(
-            session_id=opened.session_id, round=1, max_tokens=50,
+            session_id=opened.session_id, round=1, max_tokens=1000,
             stop_when_drafting_pays=True)))
-        # Rounds 1..7 stream; round 7 is the probe (suggests 1) and ends the stream.
-        assert [r.round for r in replies] == list(range(1, 8))
-        assert [r.suggested_draft_len for r in replies] == [0] * 6 + [1]
+        # Rounds 1..P-1 stream; round P-1 is the probe (suggests 1) and ends the stream.
+        assert [r.round for r in replies] == list(range(1, PROBE_EVERY))
+        assert [r.suggested_draft_len for r in replies] == [0] * (PROBE_EVERY - 2) + [1]
         assert all(r.num_accepted == 0 and r.target_forwards == 1 for r in replies)
         got += [r.next_token for r in replies]
         assert got == want[:len(got)]
         assert replies[-1].committed_length == len(PROMPT) + len(got)
         # A round the client missed is replayed, not applied twice.
-        again = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id, round=7,
-                                                      max_tokens=1)))
+        last = PROBE_EVERY - 1
+        again = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id,
+                                                      round=last, max_tokens=1)))
         assert [(r.round, r.next_token, r.target_forwards) for r in again] == \
-            [(7, replies[-1].next_token, 0)]
+            [(last, replies[-1].next_token, 0)]
         # Not stopping for the probes: to the end of the session (its max_new_tokens).
-        rest = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id, round=8,
-                                                      max_tokens=50)))
-        assert any(r.suggested_draft_len for r in rest[:-1])  # the probe at round 15
+        rest = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id,
+                                                      round=last + 1, max_tokens=1000)))
+        assert any(r.suggested_draft_len for r in rest[:-1])  # the probe at round 2P-1
         got += [r.next_token for r in rest]
         assert got == want and rest[-1].finished
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from cloud_verifier.draft_policy import DEFAULT_TOKEN_COST
+
 
 def key_digest(api_key: str) -> str:
     """API keys are kept and compared only as digests."""
@@ -32,7 +34,7 @@ class VerifierConfig:
     # Beyond this many queued rounds, new rounds get RESOURCE_EXHAUSTED.
     max_queued_rounds: int = 256
     # Cost of one verified token relative to a forward's fixed cost (see draft_policy).
-    verify_token_cost: float = 0.081
+    verify_token_cost: float = DEFAULT_TOKEN_COST
     # Bytes of target KV cache all sessions may hold; None means unbounded.
     kv_budget_bytes: int | None = None
     # Prometheus HTTP port; None disables the endpoint.

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.draft_policy import DEFAULT_TOKEN_COST
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.service import ModelInfo, VerifierService
@@ -155,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="wait this long for more rounds before a forward")
     p.add_argument("--max-queued-rounds", type=int, default=256,
                    help="rounds waiting for the model beyond which RESOURCE_EXHAUSTED is sent")
-    p.add_argument("--verify-token-cost", type=float, default=0.081,
+    p.add_argument("--verify-token-cost", type=float, default=DEFAULT_TOKEN_COST,
                    help="cost of a verified token relative to a forward's fixed cost, for the "
                         "suggested draft length")
     p.add_argument("--kv-budget-mb", type=float, default=None,

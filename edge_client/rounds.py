@@ -84,7 +84,6 @@ class GenerationRounds:
         # Picks drafting or Continue by measured rate (edge_client.rate_chooser); None: draft
         # whenever K > 0.
         self.chooser = chooser
-        self._server_decodes = False  # the pending Continue is the server's K = 0 call
         self.prompt_len = len(prompt_ids)
         self.committed = list(prompt_ids)  # prompt + generated
         self.round_no = 0  # the number of the next round of the current session
@@ -132,15 +131,14 @@ class GenerationRounds:
         """Whether the next tokens should come from a Continue stream rather than a drafted
         round: when K is 0 (the server's suggestion, our draft_len, or the room left), or
         when the chooser finds it faster. Call once per decision."""
-        self._server_decodes = self.next_k() == 0
-        if self._server_decodes:
+        if self.next_k() == 0:
             return True
         return self.chooser is not None and self.chooser.choose() == CONTINUE
 
     def continue_request(self, session_id: str) -> pb.ContinueRequest:
         """After ``wants_continue()``: the server decodes in the session, no round trip per
         token; each streamed RoundResult is applied with ``NO_DRAFTS``."""
-        if self._server_decodes:  # until drafting pays again (if we draft at all)
+        if self.next_k() == 0:  # until drafting pays again (if we draft at all)
             return pb.ContinueRequest(
                 session_id=session_id, round=self.round_no, max_tokens=self.remaining,
                 stop_when_drafting_pays=self.follow_suggestion and self.draft_len > 0)

@@ -11,8 +11,12 @@ combined). On the held-out prompts it reports, per drafter:
 - acceptance by draft position i = 1..K: accepted / judged among the drafts at position i;
 - mean tokens per round for K = 1..8, greedy, computed exactly by replay: with the target's
   greedy path known, a greedy round is a prefix comparison, so each K replays the drafter's
-  real proposals (fresh drafter, same cache resyncs) against that path without running the
-  target again. The measured rounds at ``--draft-len`` check the replay.
+  proposals against that path without running the target again. The model draft's greedy
+  proposals along the path are its argmaxes in one trace of the path (``PathDrafter``), so
+  the replay runs no model either. The measured rounds at ``--draft-len`` check the replay.
+
+The measured rounds of the six generations of a prompt (three drafters, greedy and sampled)
+are verified together, one packed forward per step, as the server batches sessions.
 
 and for the model draft: its per-token step latency next to the target's (medians, same
 machine), and KL(p || q) and TV(p, q) between the target's and the draft's next-token
@@ -213,31 +217,74 @@ def distances(target_logits: torch.Tensor, draft_logits: np.ndarray) -> dict[str
     return {"kl": kl.tolist(), "tv": tv.tolist(), "tv_sampled": tv_s, "agree": agree.tolist()}
 
 
-def run_rounds(engine, store, drafter, prompt: list[int], params, k: int, max_new_tokens: int,
-               stop_ids: frozenset[int], tally: Tally) -> list[int]:
-    """One generation as the client runs it, against the verifier's engine in-process."""
+def run_together(engine, store, prompt: list[int], runs: list[tuple[object, object]], k: int,
+                 max_new_tokens: int, stop_ids: frozenset[int], tallies: list[Tally]
+                 ) -> list[list[int]]:
+    """Generations of one prompt, one per (drafter, SamplingParams), each as the client runs
+    it, against the verifier's engine in-process. Their rounds are verified together, one
+    packed forward per step: the engine's batched results equal sessions run alone."""
     from cloud_verifier.engine import DraftRound
 
-    session = store.create("bench", params, prompt, max_new_tokens, stop_ids)
-    committed = list(prompt)
+    sessions = [store.create("bench", params, prompt, max_new_tokens, stop_ids)
+                for _, params in runs]
+    committed = [list(prompt) for _ in runs]
+    live = list(range(len(runs)))
     try:
-        while True:
-            remaining = max_new_tokens - (len(committed) - len(prompt))
-            room = engine.max_context - len(committed) - 1
-            kk = max(0, min(k, remaining - 1, room))  # the client's cap (Generation._propose)
-            t0 = time.perf_counter()
-            proposal = drafter.propose(committed, kk)
-            propose_s = time.perf_counter() - t0
-            q = None if proposal.q is None else [
-                (ids.tolist(), probs.tolist()) for ids, probs in proposal.q]
-            outcome = engine.run_round(session, DraftRound(list(proposal.tokens), q))
-            committed.extend(outcome.committed)
-            tally.add(kk, len(proposal.tokens), outcome.num_accepted, len(outcome.committed),
-                      propose_s)
-            if outcome.finished:
-                return committed[len(prompt):]
+        while live:
+            batch, asked = [], []
+            for i in live:
+                remaining = max_new_tokens - (len(committed[i]) - len(prompt))
+                room = engine.max_context - len(committed[i]) - 1
+                kk = max(0, min(k, remaining - 1, room))  # the client's cap (Generation._propose)
+                t0 = time.perf_counter()
+                proposal = runs[i][0].propose(committed[i], kk)
+                propose_s = time.perf_counter() - t0
+                q = None if proposal.q is None else [
+                    (ids.tolist(), probs.tolist()) for ids, probs in proposal.q]
+                batch.append((sessions[i], DraftRound(list(proposal.tokens), q)))
+                asked.append((kk, len(proposal.tokens), propose_s))
+            outcomes = engine.run_batch(batch)
+            for i, outcome, (kk, drafted, propose_s) in zip(live, outcomes, asked, strict=True):
+                if isinstance(outcome, Exception):
+                    raise outcome
+                committed[i].extend(outcome.committed)
+                tallies[i].add(kk, drafted, outcome.num_accepted, len(outcome.committed),
+                               propose_s)
+            live = [i for i, o in zip(live, outcomes, strict=True) if not o.finished]
     finally:
-        store.close(session.id)
+        for session in sessions:
+            store.close(session.id)
+    return [c[len(prompt):] for c in committed]
+
+
+class PathDrafter:
+    """The model draft's greedy proposals along the target's greedy path, read from its
+    logits along that path (``draft_trace``) instead of being recomputed.
+
+    While a greedy draft agrees with the path, its next input is the path's next token, so
+    its proposals there are exactly the trace's argmaxes; at the first disagreement the round
+    is decided, and what the draft would propose after it is never judged (the proposal stops
+    there). Used only to replay greedy rounds.
+    """
+
+    def __init__(self, prompt_len: int, path: list[int], draft_argmax: np.ndarray) -> None:
+        self.prompt_len = prompt_len
+        self.path = path
+        self.argmax = draft_argmax  # [n]: the draft's choice for path[t]
+
+    def resync(self, committed: list[int]) -> int:
+        return len(committed)
+
+    def propose(self, committed: list[int], k: int):
+        from edge_client.drafter import Proposal
+
+        t = len(committed) - self.prompt_len
+        tokens: list[int] = []
+        while len(tokens) < k and t + len(tokens) < len(self.path):
+            tokens.append(int(self.argmax[t + len(tokens)]))
+            if tokens[-1] != self.path[t + len(tokens) - 1]:
+                break
+        return Proposal(tokens, None)
 
 
 def replay_greedy_rounds(drafter, prompt: list[int], path: list[int], k: int,
@@ -273,6 +320,7 @@ def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens:
     from edge_client.combined_drafter import CombinedDrafter, make_drafter
     from edge_client.draft_model import OnnxDraftModel
     from edge_client.drafter import DraftSampling
+    from edge_client.ngram_drafter import NgramDrafter
     from shared.sampling import SamplingParams
 
     model = OnnxDraftModel(draft_dir, intra_op_threads=threads)
@@ -280,7 +328,7 @@ def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens:
         raise ValueError(f"the draft outputs {model.vocab_size} logits, the target "
                          f"{target.vocab_size}")
     engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
-    store = SessionStore(max_sessions=4, ttl_s=3600.0)
+    store = SessionStore(max_sessions=2 * len(DRAFTERS), ttl_s=3600.0)
     stop_ids = frozenset(target.eos_token_ids)
     greedy_sampling = DraftSampling()
     sampled = DraftSampling(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P, MAX_SUPPORT)
@@ -305,20 +353,29 @@ def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens:
         for key, values in distances(target_logits, draft_logits).items():
             dist[key] += values
 
+        runs, keys = [], []
         for kind in DRAFTERS:
             for mode, sampling, params in (
                     ("greedy", greedy_sampling, SamplingParams(seed=index)),
                     ("sampled", sampled, SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P,
                                                         seed=index))):
-                drafter = make_drafter(kind, model, sampling, np.random.default_rng(index))
-                out = run_rounds(engine, store, drafter, ids, params, draft_len, max_new_tokens,
-                                 stop_ids, tallies[kind, mode])
-                if mode == "greedy":
-                    identical[kind] += out == path
-                if isinstance(drafter, CombinedDrafter):
-                    ngram_rounds[mode] += drafter.ngram_rounds
+                runs.append((make_drafter(kind, model, sampling, np.random.default_rng(index)),
+                             params))
+                keys.append((kind, mode))
+        outs = run_together(engine, store, ids, runs, draft_len, max_new_tokens, stop_ids,
+                            [tallies[key] for key in keys])
+        for (kind, mode), (drafter, _), out in zip(keys, runs, outs, strict=True):
+            if mode == "greedy":
+                identical[kind] += out == path
+            if isinstance(drafter, CombinedDrafter):
+                ngram_rounds[mode] += drafter.ngram_rounds
+
+        draft_argmax = draft_logits.argmax(-1)
+        for kind in DRAFTERS:
             for k in REPLAY_KS:
-                drafter = make_drafter(kind, model, greedy_sampling, np.random.default_rng(0))
+                path_drafter = PathDrafter(len(ids), path, draft_argmax)
+                drafter = {"model": path_drafter, "ngram": NgramDrafter(),
+                           "combined": CombinedDrafter(path_drafter, NgramDrafter())}[kind]
                 replay_rounds[kind, k] += replay_greedy_rounds(drafter, ids, path, k,
                                                                max_new_tokens)
 

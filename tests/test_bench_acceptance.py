@@ -82,3 +82,47 @@ def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path
     assert mv["tv_sampled_mean"] < 1e-4
     # Sampling with q = p accepts unless u lands within float noise of 1.
     assert report["drafters"]["model"]["sampled"]["alpha"] > 0.95
+
+
+def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path):
+    """The greedy tokens/round by K come from the draft's trace along the target's path; for
+    every K and several prompts they equal replaying the real ONNX drafter round by round.
+    The draft is the target's first layer, so it agrees often but not always."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from cloud_verifier.target_model import load_target
+    from edge_client.bench_acceptance import (
+        PathDrafter,
+        draft_trace,
+        replay_greedy_rounds,
+        target_greedy_path,
+    )
+    from edge_client.combined_drafter import make_drafter
+    from edge_client.draft_model import OnnxDraftModel
+    from edge_client.drafter import DraftSampling
+    from edge_client.tools.export_draft import export_onnx
+
+    truncated = AutoModelForCausalLM.from_pretrained(tiny_llama_pair.target_dir)
+    truncated.model.layers = truncated.model.layers[:1]
+    truncated.config.num_hidden_layers = 1
+    truncated.save_pretrained(tmp_path / "pt")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "pt" / name).write_bytes((tiny_llama_pair.target_dir / name).read_bytes())
+    target = load_target(str(tiny_llama_pair.target_dir))
+    model = OnnxDraftModel(export_onnx(tmp_path / "pt", tmp_path / "onnx"), intra_op_threads=1)
+    stop = frozenset(target.eos_token_ids)
+    compared, agree = 0, []
+    for seed in range(6):
+        prompt = np.random.default_rng(seed).integers(3, 90, size=4 + seed).tolist()
+        path, _, _ = target_greedy_path(target, prompt, 16, stop)
+        draft_argmax = draft_trace(model, prompt, path)[0].argmax(-1)
+        agree += (draft_argmax == np.array(path)).tolist()
+        for k in range(1, 9):
+            real = make_drafter("model", model, DraftSampling(), np.random.default_rng(0))
+            fast = PathDrafter(len(prompt), path, draft_argmax)
+            assert (replay_greedy_rounds(fast, prompt, path, k, 16)
+                    == replay_greedy_rounds(real, prompt, path, k, 16)), (seed, k)
+            compared += 1
+    assert compared == 48
+    assert 0.2 < np.mean(agree) < 0.9, np.mean(agree)  # both branches of every round exercised

@@ -28,6 +28,7 @@ from edge_client.tools.distill import (
     export,
     gen_data,
     list_shards,
+    load_run,
     load_samples,
     onnx_logits_fn,
     torch_logits_fn,
@@ -188,3 +189,49 @@ def test_target_init_copies_embeddings_and_layers(data, tmp_path):
     assert draft.lm_head.weight.data_ptr() == draft.get_input_embeddings().weight.data_ptr()
     torch.testing.assert_close(draft.model.layers[0].mlp.up_proj.weight,
                                target.model.layers[1].mlp.up_proj.weight)
+
+
+def test_on_policy_data_is_written_by_the_draft_and_labelled_by_the_target(data, tmp_path):
+    """gen-data --draft-run: the continuations are the run's draft's own greedy choices (ids in
+    its head only), and every recorded top-k is the target's distribution at that position,
+    the same numbers a token-by-token forward of the target gives."""
+    run = tmp_path / "run"
+    train(_train_cfg(data, run, steps=2))
+    out = tmp_path / "onpolicy"
+    cfg = GenConfig(target=data["target"], out=out, shard_size=4, batch_size=3,
+                    max_new_tokens=8, top_k=8, sample_fraction=0.5, draft_run=run)
+    gen_data(cfg, _prompts(5, offset=20))
+    samples = load_samples(list_shards(out))
+    assert len(samples) == 5 and {s.sampled for s in samples} == {True, False}
+
+    draft, vmap = load_run(run, data["target"])
+    head = set(vmap.sub_to_full[vmap.sub_to_full >= 0].tolist())
+    draft_logits = torch_logits_fn(draft, vmap)
+    target = AutoModelForCausalLM.from_pretrained(data["target"]).eval()
+    for s in samples:
+        assert set(s.gen_ids.tolist()) <= head
+        seq = np.concatenate([s.prompt_ids, s.gen_ids])
+        if not s.sampled:  # greedy rows are the draft's argmax, not the target's
+            q = draft_logits(seq)[len(s.prompt_ids) - 1 : -1]
+            np.testing.assert_array_equal(s.gen_ids, q.argmax(-1))
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([seq])).logits[0].float(), -1)
+        want = logp[len(s.prompt_ids) - 1 : -1].topk(8, dim=-1)
+        np.testing.assert_array_equal(s.topk_ids, want.indices.numpy())
+        np.testing.assert_allclose(s.topk_logp.astype(np.float32), want.values.numpy(),
+                                   atol=2e-2)
+
+    # A resumed directory must keep its writer.
+    with pytest.raises(ValueError, match="--draft-run"):
+        gen_data(replace(cfg, draft_run=None), _prompts(5, offset=20))
+
+    # A second run starts from the first one's weights and reads both data directories.
+    follow = tmp_path / "follow"
+    state = train(replace(_train_cfg(data, follow, steps=1), data=[data["train"], out],
+                          init_from=run, lr=1e-9, warmup=0))
+    assert state["step"] == 1
+    assert len(torch.load(follow / "ckpt.pt", weights_only=False)["state"]["epoch_shards"]) == 4
+    before = torch.load(run / "ckpt.pt", weights_only=False)["model"]
+    after = torch.load(follow / "ckpt.pt", weights_only=False)["model"]
+    for name in before:  # a 1e-9 learning rate: the weights are the first run's
+        torch.testing.assert_close(after[name], before[name], atol=1e-5, rtol=1e-5)

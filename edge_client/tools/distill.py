@@ -6,8 +6,12 @@ gen-data  The target continues the distillation prompts (batched, left padded; s
           greedy, some sampled) and records, for every generated token, the top-k token ids and
           log-probabilities of the target's distribution p at temperature 1 that position was
           decided from. One ``shard-NNNNN.npz`` per ``--shard-size`` prompts, written atomically;
-          a rerun skips finished shards.
-train     Trains a draft ``LlamaForCausalLM`` against those sparse distributions:
+          a rerun skips finished shards. With ``--draft-run`` the data is on-policy: a trained
+          draft writes the continuations (the text it will be asked to extend on the edge) and
+          the target labels every position in one teacher-forced forward, several times
+          faster than the target decoding token by token.
+train     Trains a draft ``LlamaForCausalLM`` against those sparse distributions (from one or
+          more data directories; ``--init-from`` continues from a finished run's weights):
           KL(p_topk || q) + w * TV(p_topk, q). Per-token acceptance of speculative sampling is
           1 - TV(p, q), so TV is the quantity that matters; KL gives the better gradients early.
           Checkpoints (model, optimizer, step, RNG, data position) go to ``<run>/ckpt.pt``.
@@ -135,6 +139,9 @@ class GenConfig:
     threads: int = 0
     worker: int = 0  # this process writes the shards with shard % workers == worker
     workers: int = 1
+    # On-policy data: this training run's draft writes the continuations and the target only
+    # labels them (one teacher-forced forward per batch). None: the target writes them.
+    draft_run: Path | None = None
 
 
 def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
@@ -163,6 +170,8 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
     tok = EdgeTokenizer(target_dir)
     eos = set(target.eos_token_ids)
     pad_id = target.eos_token_ids[0]
+    writer = target.model if cfg.draft_run is None else _HeadOnly(*load_run(cfg.draft_run,
+                                                                             cfg.target))
 
     n_shards = math.ceil(len(order) / cfg.shard_size)
     total_tokens, t_start = 0, time.perf_counter()
@@ -184,8 +193,10 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         for b in range(0, len(encoded), cfg.batch_size):
             batch = encoded[b : b + cfg.batch_size]
             rows = _generate_batch(
-                target.model, [e[1] for e in batch], [e[2] for e in batch], cfg, eos, pad_id, gen
+                writer, [e[1] for e in batch], [e[2] for e in batch], cfg, eos, pad_id, gen
             )
+            if writer is not target.model:
+                rows = _label(target.model, rows, cfg.top_k, pad_id)
             samples += rows
             index += [e[0] for e in batch]
             n_tok += sum(len(r.gen_ids) for r in rows)
@@ -204,7 +215,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
 
 # What a data directory's shards depend on; a resumed run must use the same values.
 _DATA_FIELDS = ("split", "shard_size", "batch_size", "max_new_tokens", "top_k",
-                "sample_fraction", "temperature", "seed", "max_prompts")
+                "sample_fraction", "temperature", "seed", "max_prompts", "draft_run")
 
 
 def _check_resume(config_path: Path, cfg: GenConfig) -> None:
@@ -213,7 +224,9 @@ def _check_resume(config_path: Path, cfg: GenConfig) -> None:
         return
     stored = json.loads(config_path.read_text())
     wanted = _jsonable(asdict(cfg))
-    diff = {k: (stored.get(k), wanted[k]) for k in _DATA_FIELDS if stored.get(k) != wanted[k]}
+    defaults = _jsonable(asdict(GenConfig(None, Path())))  # fields older directories lack
+    diff = {k: (stored.get(k, defaults[k]), wanted[k]) for k in _DATA_FIELDS
+            if stored.get(k, defaults[k]) != wanted[k]}
     if diff:
         detail = ", ".join(f"--{k.replace('_', '-')} {old} (not {new})"
                            for k, (old, new) in diff.items())
@@ -278,6 +291,51 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
                np.stack(out_logp[r]), sampled[r])
         for r in range(n)
     ]
+
+
+def _label(model, rows: list[Sample], top_k: int, pad_id: int) -> list[Sample]:
+    """Replaces each row's top-k with the target's: one teacher-forced forward over the
+    left-padded prompt + continuation, keeping only the positions that predict a continuation
+    token."""
+    import torch
+
+    seqs = [np.concatenate([r.prompt_ids, r.gen_ids]) for r in rows]
+    width, longest = max(len(s) for s in seqs), max(len(r.gen_ids) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, width - len(s):] = torch.from_numpy(s.astype(np.int64))
+        mask[i, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        # Kept column c is position width - longest - 1 + c; it predicts the token after it.
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                       logits_to_keep=longest + 1).logits.float()
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    out = []
+    for i, r in enumerate(rows):
+        cols = slice(longest - len(r.gen_ids), longest)
+        out.append(replace(r, topk_ids=top_ids[i, cols].numpy(),
+                           topk_logp=top_logp[i, cols].numpy().astype(np.float16)))
+    return out
+
+
+class _HeadOnly:
+    """A run's draft as a full-vocabulary causal LM whose logits are -inf outside its head, so
+    that decoding from it is decoding from the draft the edge runs (ids outside the head are
+    never proposed there)."""
+
+    def __init__(self, model, vmap: VocabMap) -> None:
+        import torch
+
+        self.twin = full_vocab_twin(model, vmap)
+        self.bias = torch.full((vmap.full_vocab_size,), -math.inf)
+        self.bias[torch.from_numpy(vmap.sub_to_full[vmap.sub_to_full >= 0])] = 0.0
+
+    def __call__(self, **kwargs):
+        out = self.twin(**kwargs)
+        out.logits = out.logits + self.bias
+        return out
 
 
 def _update_manifest(out: Path, name: str, prompts: int, tokens: int, seconds: float) -> None:
@@ -452,7 +510,7 @@ def _pca_embeddings(model, target_dir: Path, vmap: VocabMap) -> None:
 @dataclass(frozen=True)
 class TrainConfig:
     run_dir: Path
-    data: Path
+    data: Path | Sequence[Path]  # gen-data directories, read together
     heldout: Path | None
     target: Path | None
     arch: ArchConfig = field(default_factory=ArchConfig)
@@ -472,6 +530,9 @@ class TrainConfig:
     threads: int = 0
     log_every: int = 10
     lr_steps: int = 0  # the cosine's horizon; 0: ``steps`` (a rerun with more steps stretches it)
+    # A finished run to start from: its architecture, vocabulary and weights (not its optimizer
+    # or schedule). Read only when this run has no run.json yet.
+    init_from: Path | None = None
 
 
 @dataclass
@@ -589,19 +650,31 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_path = run / "ckpt.pt"
     run_json = run / "run.json"
 
+    data_dirs = [Path(cfg.data)] if isinstance(cfg.data, (str, Path)) else list(cfg.data)
+    if not any(list_shards(d) for d in data_dirs):
+        raise RuntimeError(f"no shards in {', '.join(map(str, data_dirs))}; run gen-data first")
+    init_weights = None
     if run_json.exists():
         saved = json.loads(run_json.read_text())
         arch = _arch_from_json(saved["arch"])
-        if arch != cfg.arch:
+        if arch != cfg.arch and cfg.init_from is None:
             log.warning("run %s was started with %s; keeping it (ignoring %s)", run, arch, cfg.arch)
         vmap = VocabMap.load(run / VOCAB_MAP_FILE)
+    elif cfg.init_from is not None:
+        source = Path(cfg.init_from)
+        arch = _arch_from_json(json.loads((source / "run.json").read_text())["arch"])
+        vmap = VocabMap.load(source / VOCAB_MAP_FILE)
+        init_weights = torch.load(source / "ckpt.pt", map_location="cpu",
+                                  weights_only=False)["model"]
+        vmap.save(run / VOCAB_MAP_FILE)
+        _write_json(run_json, {"arch": asdict(arch), "target": str(target_dir),
+                               "seed": cfg.seed, "init_from": str(source),
+                               "created": time.strftime("%F %T")})
     else:
         arch = cfg.arch
         full_vocab = _vocab_size(target_dir)
         if arch.sub_vocab:
-            samples = load_samples(list_shards(cfg.data))
-            if not samples:
-                raise RuntimeError(f"no shards in {cfg.data}; run gen-data first")
+            samples = load_samples([p for d in data_dirs for p in list_shards(d)])
             vmap = build_vocab_map(samples, full_vocab, arch.sub_vocab,
                                    always=_special_ids(target_dir))
         else:
@@ -612,6 +685,9 @@ def train(cfg: TrainConfig) -> dict:
     full_to_sub = vmap.full_to_sub()
 
     model = build_draft(arch, target_dir, vmap, cfg.seed)
+    if init_weights is not None:
+        model.load_state_dict(init_weights)
+        log.info("starting from the weights of %s", cfg.init_from)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -648,8 +724,9 @@ def train(cfg: TrainConfig) -> dict:
 
     def epoch_data():
         if state["epoch_shards"] is None:
-            state["epoch_shards"] = [p.name for p in list_shards(cfg.data)]
-        samples = load_samples([Path(cfg.data) / n for n in state["epoch_shards"]])
+            state["epoch_shards"] = [str(p) for d in data_dirs for p in list_shards(d)]
+        # (checkpoints of one-directory runs hold bare names; an absolute path ignores the /)
+        samples = load_samples([data_dirs[0] / n for n in state["epoch_shards"]])
         lengths = np.array([len(s.prompt_ids) + len(s.gen_ids) for s in samples])
         return samples, _epoch_batches(len(samples), lengths, cfg.batch_size, cfg.seed,
                                        state["epoch"])
@@ -1185,10 +1262,15 @@ def parse_args(argv: Sequence[str] | None):
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--worker", default="0/1",
                    help="i/n: run as worker i of n parallel processes (disjoint shards)")
+    g.add_argument("--draft-run", type=Path, default=None,
+                   help="on-policy data: this training run's draft writes the continuations, "
+                        "the target labels them")
 
     t = sub.add_parser("train", help="distil a draft (resumes from <run-dir>/ckpt.pt)")
     t.add_argument("--run-dir", type=Path, required=True)
-    t.add_argument("--data", type=Path, required=True)
+    t.add_argument("--data", type=Path, nargs="+", required=True, help="gen-data dirs")
+    t.add_argument("--init-from", type=Path, default=None,
+                   help="start from this finished run's architecture, vocabulary and weights")
     t.add_argument("--heldout", type=Path, default=None, help="gen-data dir of held-out prompts")
     t.add_argument("--target", type=Path, default=None)
     t.add_argument("--init", choices=["scratch", "pca", "target"], default="scratch")
@@ -1252,7 +1334,7 @@ def _run(args) -> int:
         gen_data(GenConfig(args.target, args.out, args.split, args.shard_size, args.batch_size,
                            args.max_new_tokens, args.top_k, args.sample_fraction,
                            args.temperature, args.seed, args.max_prompts, args.threads,
-                           *map(int, args.worker.split("/"))))
+                           *map(int, args.worker.split("/")), draft_run=args.draft_run))
     elif args.cmd == "train":
         arch = ArchConfig(args.init, args.hidden, args.layers, args.heads, args.kv_heads,
                           args.intermediate, args.target_layers, args.sub_vocab)
@@ -1262,7 +1344,7 @@ def _run(args) -> int:
                           ckpt_every_s=args.ckpt_every_s, ckpt_every_steps=args.ckpt_every_steps,
                           eval_every=args.eval_every, eval_samples=args.eval_samples,
                           threads=args.threads, log_every=args.log_every,
-                          lr_steps=args.lr_steps))
+                          lr_steps=args.lr_steps, init_from=args.init_from))
     elif args.cmd == "export":
         if args.threads:
             import torch
@@ -1287,15 +1369,22 @@ def eval_command(what: Path, heldout: Path, target: Path | None, limit: int,
 
     if threads:
         torch.set_num_threads(threads)
-    run = Path(what)
+    model, vmap = load_run(Path(what), target)
+    return evaluate(torch_logits_fn(model, vmap), samples)
+
+
+def load_run(run: Path, target: Path | None = None):
+    """(draft in eval mode, its VocabMap) from a training run's directory and checkpoint."""
+    import torch
+
     saved = json.loads((run / "run.json").read_text())
-    arch = _arch_from_json(saved["arch"])
     vmap = VocabMap.load(run / VOCAB_MAP_FILE)
-    model = build_draft(arch, Path(target) if target else Path(saved["target"]), vmap, 0)
+    model = build_draft(_arch_from_json(saved["arch"]),
+                        Path(target) if target else Path(saved["target"]), vmap, 0)
     ck_path = run / "ckpt.pt"
     if ck_path.exists():
         model.load_state_dict(torch.load(ck_path, map_location="cpu", weights_only=False)["model"])
-    return evaluate(torch_logits_fn(model.eval(), vmap), samples)
+    return model.eval(), vmap
 
 
 

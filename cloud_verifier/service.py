@@ -47,6 +47,7 @@ from cloud_verifier.wire import (
     parse_session_id,
     result_to_pb,
 )
+from shared.continue_stream import ends_stream
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
@@ -244,8 +245,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             result = result_to_pb(await self._round(session, round_no, _NO_DRAFT,
                                                     _NO_DRAFT_DIGEST, False, follow_up=True))
             yield result
-            if result.finished or (request.stop_when_drafting_pays
-                                   and result.suggested_draft_len):
+            if ends_stream(request, result):
                 return
 
     # -- shared bodies ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from shared.continue_stream import ends_stream
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
@@ -165,8 +166,7 @@ class StreamRounds:
                 self._stats.bytes_down += reply.ByteSize()
                 result = reply.continued
                 yield result
-                if result.finished or (request.stop_when_drafting_pays
-                                       and result.suggested_draft_len):
+                if ends_stream(request, result):
                     return
         finally:
             self._stats.call_s += time.perf_counter() - t0

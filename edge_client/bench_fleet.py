@@ -8,7 +8,11 @@ count has missed the SLO the sweep runs one more count (for the plots) and stops
 (mode, profile) there, which bounds the sweep's time; ``--keep-going`` runs every count.
 
 Every point is one ``run_fleet`` window against the same verifier; recorded drafts are made
-once (cached on disk) and replayed by every spec point.
+once (cached on disk) and replayed by every spec point. The modes alternate within each client
+count (spec, baseline, then the next count), so the two figures compared at a load are taken
+minutes apart at most, not a whole sweep apart: this machine's speed drifts by more than the
+effects measured. **Never worse** is the spec/baseline tokens/s ratio at every load both modes
+ran.
 """
 
 from __future__ import annotations
@@ -58,6 +62,20 @@ def capacity(runs: list[dict], slo_ms: float) -> tuple[dict, dict]:
                 "tpot_ms_p50": a["tpot_ms_p50"], "tpot_ms_p95": a["tpot_ms_p95"],
                 "tpot_ms_p99": a["tpot_ms_p99"], "ttft_ms_p50": a["ttft_ms_p50"]}
     return counts, figures
+
+
+def never_worse(runs: list[dict]) -> list[dict]:
+    """Per (profile, client count) both modes ran: their tokens/s and spec / baseline."""
+    by_key = {(r["profile"]["name"], r["clients"], r["mode"]): r["aggregate"]["tokens_per_s"]
+              for r in runs}
+    rows = []
+    for (prof, clients, mode), spec in sorted(by_key.items()):
+        baseline = by_key.get((prof, clients, "baseline"))
+        if mode == "spec" and baseline is not None:
+            rows.append({"profile": prof, "clients": clients, "spec_tokens_per_s": spec,
+                         "baseline_tokens_per_s": baseline,
+                         "ratio": spec / baseline if baseline else None})
+    return rows
 
 
 async def sweep(address: str, configs: list[FleetConfig], draft_dir: Path,
@@ -174,13 +192,14 @@ def cmd_bench_fleet(args) -> int:
     from shared.paths import default_draft_dir
 
     configs = [config_from_args(args, n, prof, mode, args.duration)
-               for prof in args.profiles for mode in args.modes for n in sorted(args.clients)]
+               for prof in args.profiles for n in sorted(args.clients) for mode in args.modes]
     started = time.time()
     with fleet_verifier(args, max(args.clients)) as verifier:
         runs = asyncio.run(sweep(verifier.address, configs,
                                  args.draft_dir or default_draft_dir(), args.replay_cache,
                                  args.slo_ms, args.keep_going))
     counts, figures = capacity(runs, args.slo_ms)
+    ratios = never_worse(runs)
     plots_dir = args.plots_dir or args.json.parent
     stem = args.json.stem
     plots = {"latency_cdf": plots_dir / f"{stem}-latency-cdf.png",
@@ -199,6 +218,7 @@ def cmd_bench_fleet(args) -> int:
         "slo_tpot_p95_ms": args.slo_ms,
         "capacity": counts,
         "capacity_figures": figures,
+        "never_worse": ratios,
         "workload": args.workload,
         "drafts": args.drafts,
         "draft_len": args.draft_len,
@@ -209,5 +229,9 @@ def cmd_bench_fleet(args) -> int:
         "verifier": verifier.report.as_dict(),
         "runs": runs,
     })
+    for row in ratios:
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        print(f"{row['profile']} x{row['clients']}: spec/baseline tokens/s {ratio}",
+              file=sys.stderr)
     print(f"capacity (p95 TPOT <= {args.slo_ms:g} ms): {counts}", file=sys.stderr)
     return 0

@@ -391,6 +391,14 @@ def test_bench_fleet_sweep_writes_capacity_and_plots(tiny_llama_pair, tmp_path):
     assert data["capacity"]["baseline"]["wifi"] == 2
     assert data["capacity_figures"]["baseline"]["wifi"]["clients"] == 2
     assert len(data["runs"]) == 4
+    # The modes alternate within a client count, so each comparison is taken close in time.
+    assert [(r["clients"], r["mode"]) for r in data["runs"]] == [
+        (1, "spec"), (1, "baseline"), (2, "spec"), (2, "baseline")]
+    rows = data["never_worse"]
+    assert [(r["profile"], r["clients"]) for r in rows] == [("wifi", 1), ("wifi", 2)]
+    for row, spec, base in zip(rows, data["runs"][0::2], data["runs"][1::2], strict=True):
+        assert row["ratio"] == pytest.approx(spec["aggregate"]["tokens_per_s"]
+                                             / base["aggregate"]["tokens_per_s"])
     for png in data["plots"].values():
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,117 @@
+"""What verifying K drafts costs against decoding one token, per batch size, on this machine.
+
+    python -m cloud_verifier.bench_verify_cost [--model PATH] [--batches 1 2 4 8 16]
+        [--max-k 4] [--alphas 0.5 0.65 0.8]
+
+For B sessions (context lengths 64..320, within the model's context) it times one packed
+verify forward (``cloud_verifier.packed_forward``, K + 1 new tokens per session) for
+K = 0..max-k, median of ``--repeats``; K = 0 is the cloud-only baseline's decode step. From
+these it prints:
+
+- cost(B, K) / cost(B, 0): what a speculative round costs in baseline steps;
+- the break-even acceptance per (B, K): the alpha at which a round's expected tokens
+  E(K) = (1 - alpha^(K+1)) / (1 - alpha) equal that cost ratio, i.e. below which speculation
+  commits fewer tokens per second of forward time than plain decoding;
+- for each ``--alphas`` value, the best K and the server-throughput ratio it allows,
+  max_K E(K) * cost(B, 0) / cost(B, K): an upper bound on spec / baseline tokens/s at that load
+  (clients with no network delay and no draft time), so the most speculation can raise capacity
+  on this hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cloud_verifier.draft_policy import expected_tokens
+from cloud_verifier.engine import VerifierEngine
+from cloud_verifier.packed_forward import Segment, packed_forward
+from cloud_verifier.target_model import load_target
+
+
+def verify_costs_ms(target, b: int, max_k: int, repeats: int,
+                    gen: torch.Generator) -> list[float]:
+    """Median ms of one packed forward over B sessions with K + 1 new tokens each, K = 0.."""
+    model = target.model
+    longest = min(320, target.max_context - max_k - 1)
+    lengths = [min(64, longest) + (max(0, longest - 64) * i) // max(1, b - 1) for i in range(b)]
+    engine = VerifierEngine(model, target.vocab_size, target.max_context)
+    kvs = []
+    for n in lengths:
+        kv = engine.kv.ensure(None, n + max_k + 1)
+        context = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
+        packed_forward(model, [Segment(kv, context, 1)])
+        kv.length = n
+        kvs.append(kv)
+    out = []
+    for k in range(max_k + 1):
+        new = [torch.randint(0, target.vocab_size, (k + 1,), generator=gen).tolist()
+               for _ in range(b)]
+        segments = [Segment(kv, x, k + 1) for kv, x in zip(kvs, new, strict=True)]
+        packed_forward(model, segments)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            packed_forward(model, segments)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times))
+    return out
+
+
+def break_even_alpha(cost_ratio: float, k: int) -> float | None:
+    """The alpha where E(K) equals ``cost_ratio`` (bisection; E grows with alpha), or None
+    when even alpha = 1 (E = K + 1) does not pay for the round."""
+    if cost_ratio > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost_ratio else (lo, mid)
+    return hi
+
+
+def best_gain(costs: list[float], alpha: float) -> tuple[int, float]:
+    """(K, spec / baseline forward throughput) maximising E(K) * cost(0) / cost(K)."""
+    gains = [expected_tokens(alpha, k) * costs[0] / c for k, c in enumerate(costs)]
+    k = max(range(len(gains)), key=gains.__getitem__)
+    return k, gains[k]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--max-k", type=int, default=4)
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.65, 0.8])
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.max_k < 1 or any(not 0 <= a < 1 for a in args.alphas):
+        raise SystemExit("--max-k must be >= 1 and every --alphas value in [0, 1)")
+    target = load_target(args.model)
+    gen = torch.Generator().manual_seed(0)
+    ks = range(args.max_k + 1)
+    print(f"target {target.name}, threads {torch.get_num_threads()}, packed verify forward, "
+          f"median of {args.repeats}")
+    print("| sessions | " + " | ".join(f"K={k} ms" for k in ks) + " | "
+          + " | ".join(f"K={k} cost / K=0 (break-even α)" for k in ks[1:]) + " | "
+          + " | ".join(f"α={a}: best K, max spec/baseline" for a in args.alphas) + " |")
+    print("|---" * (1 + len(ks) + args.max_k + len(args.alphas)) + "|")
+    for b in args.batches:
+        costs = verify_costs_ms(target, b, args.max_k, args.repeats, gen)
+        cells = [f"{c:.0f}" for c in costs]
+        for k in ks[1:]:
+            ratio = costs[k] / costs[0]
+            alpha = break_even_alpha(ratio, k)
+            cells.append(f"{ratio:.2f} ({'never' if alpha is None else f'{alpha:.2f}'})")
+        for a in args.alphas:
+            k, gain = best_gain(costs, a)
+            cells.append(f"K={k}, {gain:.2f}x")
+        print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The verify-cost benchmark's arithmetic, and one run on the tiny target."""
+
+from __future__ import annotations
+
+import pytest
+
+from cloud_verifier.bench_verify_cost import best_gain, break_even_alpha, main
+from cloud_verifier.draft_policy import expected_tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("ratio", [1.0, 1.3, 2.0, 2.9])
+def test_break_even_alpha_solves_expected_tokens_equal_cost(k, ratio):
+    alpha = break_even_alpha(ratio, k)
+    if ratio > k + 1:
+        assert alpha is None
+    else:
+        assert expected_tokens(alpha, k) == pytest.approx(ratio, abs=1e-9)
+    assert break_even_alpha(k + 1.5, k) is None  # not even full acceptance pays
+
+
+def test_best_gain_picks_the_k_with_most_tokens_per_forward_time():
+    # K=1 costs 1.2 steps, K=2 costs 3: at alpha 0.5, E(1) = 1.5 -> 1.25x, E(2) = 1.75 -> 0.58x.
+    k, gain = best_gain([100.0, 120.0, 300.0], 0.5)
+    assert k == 1 and gain == pytest.approx(1.5 / 1.2)
+    # When every round costs more than it yields, plain decoding (K=0, 1x) wins.
+    assert best_gain([100.0, 400.0, 900.0], 0.5) == (0, 1.0)
+
+
+def test_runs_on_the_tiny_target(tiny_llama_pair, capsys):
+    assert main(["--model", str(tiny_llama_pair.target_dir), "--batches", "1", "3",
+                 "--max-k", "2", "--alphas", "0.5", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "3"]
+    assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)

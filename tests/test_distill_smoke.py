@@ -235,3 +235,12 @@ def test_on_policy_data_is_written_by_the_draft_and_labelled_by_the_target(data,
     after = torch.load(follow / "ckpt.pt", weights_only=False)["model"]
     for name in before:  # a 1e-9 learning rate: the weights are the first run's
         torch.testing.assert_close(after[name], before[name], atol=1e-5, rtol=1e-5)
+
+    # The exported card accounts for the whole lineage: both data dirs, both training runs.
+    export(ExportConfig(follow, tmp_path / "draft", data["heldout"], data["target"],
+                        quantize=False, measure_target=False, twin_out=tmp_path / "twin"))
+    card = (tmp_path / "draft" / "MODEL_CARD.md").read_text()
+    assert f"started from the weights of run `{run}`" in card
+    assert "| gen-data `train` |" in card and "| gen-data `onpolicy` |" in card
+    assert "| train `run` |" in card and "| train `follow` |" in card
+    assert f"written by run `{run}`'s draft" in card

@@ -1140,8 +1140,11 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
         "",
         "## Training",
         "",
-        f"- data: `{tc.get('data')}` (shards {len(st.get('epoch_shards') or [])} in the last "
-        f"epoch), target top-k distributions at temperature 1",
+        f"- data: {', '.join(f'`{d}`' for d in _as_dirs(tc.get('data')))} (shards "
+        f"{len(st.get('epoch_shards') or [])} in the last epoch), target top-k distributions "
+        "at temperature 1",
+        *([f"- started from the weights of run `{saved['init_from']}` (its own lineage is in "
+           "the wall-time table)"] if saved.get("init_from") else []),
         f"- loss: KL(p_topk || q) + {tc.get('tv_weight')} * TV(p_topk, q)",
         f"- steps {st['step']}, batch {tc.get('batch_size')} sequences, epochs {st['epoch']}, "
         f"tokens seen {st['tokens_seen']:,}, lr {tc.get('lr')} (AdamW, cosine), seed "
@@ -1165,27 +1168,64 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
     if "target_step_ms" in results:
         lines.append(f"The target's 1-token step (PyTorch, same machine, same moment): "
                      f"{results['target_step_ms']} ms.")
-    manifest = Path(str(tc.get("data", ""))) / "manifest.json"
-    gen_s = None
-    if manifest.is_file():
-        m = json.loads(manifest.read_text())
-        gen_s = sum(sh.get("seconds", 0.0) for sh in m.get("shards", {}).values())
-        lines.append(f"Data directory at export time: {m.get('total_prompts')} prompts, "
-                     f"{m.get('total_tokens')} generated tokens with top-k p.")
+    stages = _pipeline_stages(Path(cfg.run_dir), ck)
+    for name, m in stages["data"].items():
+        lines.append(f"Data `{name}` at export time: {m.get('total_prompts')} prompts, "
+                     f"{m.get('total_tokens')} generated tokens with top-k p"
+                     + (f" (continuations written by run `{m['draft_run']}`'s draft, labelled "
+                        "by the target)" if m.get("draft_run") else "") + ".")
     lines += ["", "## Pipeline wall time", "",
-              "| stage | minutes |", "|---|---|"]
-    if gen_s is not None:
-        lines.append(f"| gen-data (sum over shards; each shard is one single-thread worker, "
-                     f"so parallel workers overlap) | {gen_s / 60:.1f} |")
-    lines += [f"| train | {st['wall_s'] / 60:.1f} |",
-              f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
-              f"| total | {((gen_s or 0.0) + st['wall_s'] + export_s) / 60:.1f} |", ""]
+              "Every stage behind these weights, including the runs they started from. gen-data"
+              " is the sum over shards; each shard is one single-thread worker, so parallel"
+              " workers overlap.", "", "| stage | minutes |", "|---|---|"]
+    total = export_s
+    for name, m in stages["data"].items():
+        lines.append(f"| gen-data `{Path(name).name}` | {m['seconds'] / 60:.1f} |")
+        total += m["seconds"]
+    for name, seconds in stages["train"]:
+        lines.append(f"| train `{Path(name).name}` | {seconds / 60:.1f} |")
+        total += seconds
+    lines += [f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
+              f"| total | {total / 60:.1f} |", ""]
     return "\n".join(lines)
 
 
 # ============================================================================================
 # Helpers and command line
 # ============================================================================================
+
+
+def _as_dirs(data) -> list[Path]:
+    """A TrainConfig.data value (one directory or several; JSON-loaded or not) as a list."""
+    if data is None:
+        return []
+    return [Path(data)] if isinstance(data, (str, Path)) else [Path(d) for d in data]
+
+
+def _pipeline_stages(run: Path, ck: dict) -> dict:
+    """The gen-data directories and training runs behind a run's weights, following
+    ``init_from`` back: {"data": {dir: manifest + seconds + draft_run}, "train": [(run,
+    seconds)], oldest run first}."""
+    import torch
+
+    data: dict[str, dict] = {}
+    train_runs: list[tuple[str, float]] = []
+    while True:
+        train_runs.insert(0, (str(run), ck["state"]["wall_s"]))
+        for d in _as_dirs(ck.get("train_config", {}).get("data")):
+            manifest, config = d / "manifest.json", d / "config.json"
+            if str(d) in data or not manifest.is_file():
+                continue
+            m = json.loads(manifest.read_text())
+            m["seconds"] = sum(sh.get("seconds", 0.0) for sh in m.get("shards", {}).values())
+            if config.is_file():
+                m["draft_run"] = json.loads(config.read_text()).get("draft_run")
+            data[str(d)] = m
+        parent = json.loads((run / "run.json").read_text()).get("init_from")
+        if not parent or not (Path(parent) / "ckpt.pt").is_file():
+            return {"data": dict(sorted(data.items())), "train": train_runs}
+        run = Path(parent)
+        ck = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)
 
 
 def _arch_from_json(obj: dict) -> ArchConfig:

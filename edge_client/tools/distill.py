@@ -8,8 +8,8 @@ gen-data  The target continues the distillation prompts (batched, left padded; s
           decided from. One ``shard-NNNNN.npz`` per ``--shard-size`` prompts, written atomically;
           a rerun skips finished shards. With ``--draft-run`` the data is on-policy: a trained
           draft writes the continuations (the text it will be asked to extend on the edge) and
-          the target labels every position in one teacher-forced forward, several times
-          faster than the target decoding token by token.
+          the target labels every position in one teacher-forced forward (2.4x the tokens per
+          worker-minute of the target generating, on the project's 2-core CPU).
 train     Trains a draft ``LlamaForCausalLM`` against those sparse distributions (from one or
           more data directories; ``--init-from`` continues from a finished run's weights):
           KL(p_topk || q) + w * TV(p_topk, q). Per-token acceptance of speculative sampling is
@@ -650,7 +650,7 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_path = run / "ckpt.pt"
     run_json = run / "run.json"
 
-    data_dirs = [Path(cfg.data)] if isinstance(cfg.data, (str, Path)) else list(cfg.data)
+    data_dirs = _as_dirs(cfg.data)
     if not any(list_shards(d) for d in data_dirs):
         raise RuntimeError(f"no shards in {', '.join(map(str, data_dirs))}; run gen-data first")
     init_weights = None

@@ -27,3 +27,18 @@ def test_every_message_field_is_documented():
                 and "//" not in line:
             undocumented.append(stripped)
     assert not undocumented, undocumented
+
+
+def test_continue_stream_ends_where_both_ends_of_the_wire_agree():
+    from shared.continue_stream import ends_stream
+    from shared.pb import verifier_pb2 as pb
+
+    until_drafting = pb.ContinueRequest(max_tokens=8, stop_when_drafting_pays=True)
+    to_the_end = pb.ContinueRequest(max_tokens=8)
+    decoding = pb.RoundResult(suggested_draft_len=0)
+    drafting_pays = pb.RoundResult(suggested_draft_len=2)
+    finished = pb.RoundResult(finished=True, suggested_draft_len=0)
+    assert not ends_stream(until_drafting, decoding)
+    assert ends_stream(until_drafting, drafting_pays)
+    assert not ends_stream(to_the_end, drafting_pays)  # the client did not ask to stop
+    assert ends_stream(to_the_end, finished) and ends_stream(until_drafting, finished)

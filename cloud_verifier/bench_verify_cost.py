@@ -12,6 +12,10 @@ these it prints:
 - the break-even acceptance per (B, K): the alpha at which a round's expected tokens
   E(K) = (1 - alpha^(K+1)) / (1 - alpha) equal that cost ratio, i.e. below which speculation
   commits fewer tokens per second of forward time than plain decoding;
+- a least-squares fit ms = a + s' * sessions + t' * tokens over the forwards of 2 or more
+  tokens, printed as the verifier's ``--verify-session-cost s'/a --verify-token-cost t'/a``
+  (``cloud_verifier.draft_policy``; a lone 1-token forward takes a faster matrix-vector path
+  and is left out);
 - for each ``--alphas`` value, the best K and the server-throughput ratio it allows,
   max_K E(K) * cost(B, 0) / cost(B, K): an upper bound on spec / baseline tokens/s at that load
   (clients with no network delay and no draft time), so the most speculation can raise capacity
@@ -80,6 +84,23 @@ def best_gain(costs: list[float], alpha: float) -> tuple[int, float]:
     return k, gains[k]
 
 
+def fit_costs(costs: dict[int, list[float]]) -> tuple[float, float, float]:
+    """(a, s', t') of ms = a + s' * sessions + t' * tokens, least squares over the forwards of
+    two or more tokens; ``costs[B][K]`` is the ms of B sessions x (K + 1) tokens."""
+    import numpy as np
+
+    rows, ms = [], []
+    for b, by_k in costs.items():
+        for k, c in enumerate(by_k):
+            if b * (k + 1) >= 2:
+                rows.append([1.0, b, b * (k + 1)])
+                ms.append(c)
+    if len(rows) < 3:
+        raise ValueError("the fit needs at least three forwards of two or more tokens")
+    a, s, t = np.linalg.lstsq(np.array(rows), np.array(ms), rcond=None)[0]
+    return float(a), float(s), float(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -99,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
           + " | ".join(f"K={k} cost / K=0 (break-even α)" for k in ks[1:]) + " | "
           + " | ".join(f"α={a}: best K, max spec/baseline" for a in args.alphas) + " |")
     print("|---" * (1 + len(ks) + args.max_k + len(args.alphas)) + "|")
+    measured = {}
     for b in args.batches:
         costs = verify_costs_ms(target, b, args.max_k, args.repeats, gen)
+        measured[b] = costs
         cells = [f"{c:.0f}" for c in costs]
         for k in ks[1:]:
             ratio = costs[k] / costs[0]
@@ -110,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             k, gain = best_gain(costs, a)
             cells.append(f"K={k}, {gain:.2f}x")
         print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
+    try:
+        a, s, t = fit_costs(measured)
+    except ValueError as exc:
+        print(f"no fit: {exc}")
+    else:
+        print(f"fit over forwards of >= 2 tokens: ms = {a:.1f} + {s:.2f} * sessions + {t:.2f} * "
+              f"tokens -> edgespec-verifier --verify-session-cost {s / a:.3f} "
+              f"--verify-token-cost {t / a:.3f}")
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from cloud_verifier.draft_policy import DEFAULT_TOKEN_COST
+from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 
 
 def key_digest(api_key: str) -> str:
@@ -33,8 +33,10 @@ class VerifierConfig:
     gather_window_s: float = 0.0
     # Beyond this many queued rounds, new rounds get RESOURCE_EXHAUSTED.
     max_queued_rounds: int = 256
-    # Cost of one verified token relative to a forward's fixed cost (see draft_policy).
+    # Cost of one verified token and of one more session, relative to a forward's fixed cost
+    # (see draft_policy; python -m cloud_verifier.bench_verify_cost measures them).
     verify_token_cost: float = DEFAULT_TOKEN_COST
+    verify_session_cost: float = DEFAULT_SESSION_COST
     # Bytes of target KV cache all sessions may hold; None means unbounded.
     kv_budget_bytes: int | None = None
     # Prometheus HTTP port; None disables the endpoint.

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cloud_verifier.config import VerifierConfig, key_digest
-from cloud_verifier.draft_policy import DEFAULT_TOKEN_COST
+from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.service import ModelInfo, VerifierService
@@ -158,7 +158,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="rounds waiting for the model beyond which RESOURCE_EXHAUSTED is sent")
     p.add_argument("--verify-token-cost", type=float, default=DEFAULT_TOKEN_COST,
                    help="cost of a verified token relative to a forward's fixed cost, for the "
-                        "suggested draft length")
+                        "suggested draft length (python -m cloud_verifier.bench_verify_cost)")
+    p.add_argument("--verify-session-cost", type=float, default=DEFAULT_SESSION_COST,
+                   help="cost of one more session in a forward, relative to its fixed cost")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="bytes of target KV cache all sessions may hold (default: unbounded)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
@@ -168,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    if args.verify_token_cost < 0 or args.verify_session_cost < 0:
+        p.error("--verify-token-cost and --verify-session-cost must be >= 0")
     digests: frozenset[str] = frozenset()
     if args.api_keys_file is not None:
         keys = [k.strip() for k in args.api_keys_file.read_text().splitlines() if k.strip()]
@@ -179,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         max_context=args.max_context, max_sessions=args.max_sessions,
         max_batch_tokens=args.max_batch_tokens, gather_window_s=args.gather_window_ms / 1000,
         max_queued_rounds=args.max_queued_rounds, verify_token_cost=args.verify_token_cost,
+        verify_session_cost=args.verify_session_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
         metrics_port=args.metrics_port)

@@ -338,7 +338,8 @@ class VerifierService(pb_grpc.VerifierServicer):
             load = max(outcome.batch_sessions, len(self.batcher) + 1)
             suggested = suggest_draft_len(session.acceptance.alpha, load,
                                           self.config.max_draft_len,
-                                          self.config.verify_token_cost)
+                                          self.config.verify_token_cost,
+                                          self.config.verify_session_cost)
             if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
                 suggested = 1  # keep measuring acceptance
             result = RoundResult(

@@ -35,7 +35,11 @@ def test_suggested_draft_length_follows_acceptance_and_load():
     assert suggest_draft_len(0.9, 1, 8) >= 4  # a good draft, idle server: speculate deep
     by_load = [suggest_draft_len(0.7, b, 8) for b in (1, 2, 4, 8, 16, 32, 64)]
     assert by_load == sorted(by_load, reverse=True)  # never more drafts under more load
-    assert by_load[0] >= 3 and by_load[-1] <= 1
+    assert by_load[0] >= 3 and by_load[-1] < by_load[0]
+    # Tokens that cost as much as the forward's fixed part: speculation stops under load.
+    assert suggest_draft_len(0.7, 16, 8, token_cost=0.5) == 0
+    # Sessions weigh on every K alike, so a per-session cost alone never turns drafting off.
+    assert suggest_draft_len(0.7, 16, 8, token_cost=0.0, session_cost=1.0) == 8
     assert all(0 <= suggest_draft_len(a / 10, 4, 6) <= 6 for a in range(11))
 
 

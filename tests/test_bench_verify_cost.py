@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cloud_verifier.bench_verify_cost import best_gain, break_even_alpha, main
+from cloud_verifier.bench_verify_cost import best_gain, break_even_alpha, fit_costs, main
 from cloud_verifier.draft_policy import expected_tokens
 
 
@@ -25,6 +25,19 @@ def test_best_gain_picks_the_k_with_most_tokens_per_forward_time():
     assert k == 1 and gain == pytest.approx(1.5 / 1.2)
     # When every round costs more than it yields, plain decoding (K=0, 1x) wins.
     assert best_gain([100.0, 400.0, 900.0], 0.5) == (0, 1.0)
+
+
+def test_fit_recovers_fixed_session_and_token_costs():
+    def ms(b, k):
+        return 130 + 5 * b + 2 * b * (k + 1)
+
+    # The lone 1-token forward is off the line (a faster kernel) and must not enter the fit.
+    costs = {b: [ms(b, k) for k in range(5)] for b in (1, 2, 4, 8)}
+    costs[1][0] = 70.0
+    a, s, t = fit_costs(costs)
+    assert (a, s, t) == pytest.approx((130, 5, 2))
+    with pytest.raises(ValueError):
+        fit_costs({1: [70.0, 80.0]})
 
 
 def test_runs_on_the_tiny_target(tiny_llama_pair, capsys):

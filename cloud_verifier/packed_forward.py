@@ -11,6 +11,13 @@ This drives the modules of a Hugging Face Llama-family model (Llama, Mistral, Qw
 directly. Other causal LMs go through ``sequential_forward``: one ordinary transformers forward
 per session over a cache built from its buffer. Correct for any model with a standard
 per-layer KV cache, but it copies each session's cache every round.
+
+With at most ``FEW_ROWS`` new tokens the projections are computed as ``W @ x^T``
+(``_linear``) rather than ``nn.Linear``'s ``x @ W^T``: the same product, but for a few rows
+this orientation takes a much faster MKL path on the project's 2-core CPU (LM head alone: 2
+rows 15 vs 39 ms, 5 rows 24 vs 46 ms; whole packed forward, one session: 2-4 new tokens
+106-110 vs 160-185 ms, two sessions x 1 token 117 vs 169 ms). With more rows the two are
+within this machine's noise of each other, so ``nn.Linear``'s path is kept there.
 """
 
 from __future__ import annotations
@@ -37,7 +44,29 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return (inner is not None and layers is not None and hasattr(inner, "rotary_emb")
             and hasattr(inner, "embed_tokens") and hasattr(model, "lm_head")
             and all(hasattr(layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj",
-                                                              "o_proj")))
+                                                              "o_proj"))
+            and all(hasattr(layers[0].mlp, n) for n in ("gate_proj", "up_proj", "down_proj",
+                                                        "act_fn")))
+
+
+FEW_ROWS = 8
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    """``layer(x)`` for x ``[..., in]``; as ``W @ x^T`` for a few rows (module docstring)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > FEW_ROWS:
+        return F.linear(x, layer.weight, layer.bias)
+    out = (layer.weight @ rows.T).T
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama MLP, ``down(act(gate(x)) * up(x))``, through ``_linear``."""
+    return _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj),
+                   mlp.down_proj)
 
 
 @torch.inference_mode()
@@ -87,9 +116,9 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
     for layer_idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, H, N, hd]
-        k = attn.k_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1, Hkv, N, hd]
-        v = attn.v_proj(x).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        q = _linear(x, attn.q_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1,H,N,hd]
+        k = _linear(x, attn.k_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)  # Hkv heads
+        v = _linear(x, attn.v_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = torch.empty_like(q)
         for seg, (lo, hi), mask in zip(segments, bounds, masks, strict=True):
@@ -100,12 +129,12 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
             out[:, :, lo:hi] = F.scaled_dot_product_attention(
                 q[:, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
                 scale=attn.scaling, enable_gqa=True)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, n, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + _linear(out.transpose(1, 2).reshape(1, n, -1), attn.o_proj)
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     hidden = inner.norm(hidden)[0]
     wanted = torch.cat([torch.arange(hi - s.num_logits, hi) for s, (_, hi)
                         in zip(segments, bounds, strict=True)]).to(device)
-    logits = model.lm_head(hidden[wanted]).float()
+    logits = _linear(hidden[wanted], model.lm_head).float()
     return list(torch.split(logits, [s.num_logits for s in segments]))
 
 

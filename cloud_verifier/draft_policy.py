@@ -13,11 +13,13 @@ s = 0.038 and t = 0.018 are a least-squares fit of the packed verify forward on 
 2-core CPU (``python -m cloud_verifier.bench_verify_cost``, which prints the fit for any
 machine; ``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it): about
 130 ms fixed, 4.9 ms per session and 2.3 ms per token, for 2..80 tokens. Tokens are cheap next
-to sessions because a small-batch forward is bound by streaming the weights, not by FLOPs:
-16 sessions x 5 tokens cost 1.36x 16 sessions x 1 token. The earlier affine model
-``1 + c * tokens`` (c = 0.081 from the project notes, then 0.15 fitted to decode batches, where
-tokens and sessions grow together) charged every draft as much as a new session and turned
-speculation off from 8 sessions on, where it pays most.
+to sessions because a small-batch forward is bound by streaming the weights, not by FLOPs
+(16 sessions x 5 tokens cost 1.36x 16 sessions x 1 token in that run). A second run that
+added 32 sessions (up to 160 tokens, where the forward turns compute-bound) fitted
+s = 0.035, t = 0.029: these are noisy single-run figures, to be refitted per machine. The
+earlier affine model ``1 + c * tokens`` (c = 0.081 from the project notes, then 0.15 fitted
+to decode batches, where tokens and sessions grow together) charged every draft as much as a
+new session and turned speculation off from 8 sessions on, where it pays most.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ per-layer KV cache, but it copies each session's cache every round.
 With at most ``FEW_ROWS`` new tokens the projections are computed as ``W @ x^T``
 (``_linear``) rather than ``nn.Linear``'s ``x @ W^T``: the same product, but for a few rows
 this orientation takes a much faster MKL path on the project's 2-core CPU (LM head alone: 2
-rows 15 vs 39 ms, 5 rows 24 vs 46 ms; whole packed forward, one session: 2-4 new tokens
-106-110 vs 160-185 ms, two sessions x 1 token 117 vs 169 ms). With more rows the two are
-within this machine's noise of each other, so ``nn.Linear``'s path is kept there.
+rows 15 vs 39 ms, 5 rows 24 vs 46 ms; whole packed forward, two A/B runs: one session with
+2-5 new tokens 110-140 vs 151-209 ms, two sessions x 1 token 117-125 vs 169-180 ms). With
+more rows the two are within this machine's noise of each other, so ``nn.Linear``'s path is
+kept there.
 """
 
 from __future__ import annotations

@@ -207,3 +207,18 @@ def test_concurrent_streams_share_forwards(target):
     # The streams start at slightly different times; after that they share every forward.
     assert len(batches) <= 24 + 6, batches
     assert sum(batches) == 4 * 24
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_projection_equals_nn_linear(rows, bias):
+    """``_linear`` takes W @ x^T for at most FEW_ROWS rows and nn.Linear's path above; both
+    give nn.Linear's numbers, with or without a bias (Qwen2-style q/k/v projections)."""
+    from cloud_verifier.packed_forward import FEW_ROWS, _linear
+
+    assert FEW_ROWS == 8  # the parametrisation straddles it
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(24, 40, bias=bias)
+    x = torch.randn(1, rows, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(_linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.tools.distill_prompts import SPLITS, prompt_split
+
 log = logging.getLogger("edgespec.distill")
 
 VOCAB_MAP_FILE = "vocab_map.npz"
@@ -156,8 +158,6 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if prompts is None:
-        from edge_client.tools.distill_prompts import prompt_split
-
         prompts = prompt_split(cfg.split)  # type: ignore[arg-type]
     order = np.random.default_rng(cfg.seed).permutation(len(prompts))
     if cfg.max_prompts:
@@ -1289,7 +1289,7 @@ def parse_args(argv: Sequence[str] | None):
     g = sub.add_parser("gen-data", help="record the target's top-k distributions")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--target", type=Path, default=None)
-    g.add_argument("--split", choices=["train", "heldout"], default="train")
+    g.add_argument("--split", choices=SPLITS, default="train")
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--max-new-tokens", type=int, default=128)

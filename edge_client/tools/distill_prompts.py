@@ -192,6 +192,103 @@ _IME_STARTS = (
 _IME_NAMES = ("", "Hi Tom, ", "Hey Anna, ", "Hello team, ", "Mom, ", "Hi all, ")
 
 
+# --- extra training topics (added for draft v4) -----------------------------------------------
+# Only ever trained on: an extra topic that hashes into a held-out bucket is dropped rather than
+# added to the held-out split, so every draft is measured on the same held-out prompts.
+
+_EXTRA_CHAT_TOPICS = (
+    "the Moon's phases", "octopuses", "the Eiffel Tower", "hot air balloons", "submarines",
+    "the Sahara", "wolves", "honey", "chocolate", "tea ceremonies", "the violin", "opera",
+    "hip hop", "street art", "architecture", "bridges", "skyscrapers", "trains", "airplanes",
+    "rockets", "satellites", "Mars", "Jupiter", "comets", "telescopes", "microscopes",
+    "the human brain", "memory", "dreams", "emotions", "habits", "motivation", "happiness",
+    "friendship", "parenting", "toddlers", "teenagers", "grandparents", "weddings", "birthdays",
+    "holidays", "New Year resolutions", "cooking pasta", "making soup", "grilling", "spices",
+    "cheese", "bread yeast", "fermentation", "vegetarian diets", "food allergies", "sugar",
+    "caffeine", "walking", "cycling", "swimming", "tennis", "basketball", "skiing", "surfing",
+    "rock climbing", "hiking safety", "birdwatching", "fishing", "knitting", "woodworking",
+    "painting with watercolors", "drawing", "poetry", "short stories", "libraries", "museums",
+    "newspapers", "social media", "smartphones", "video games", "robots", "self-driving cars",
+    "drones", "virtual reality", "passwords", "online privacy", "phishing emails", "open source",
+    "databases", "spreadsheets", "email etiquette", "meetings", "leadership", "customer service",
+    "starting a small business", "marketing", "advertising", "banks", "insurance", "renting",
+    "buying a car", "minimalism", "cleaning the house", "laundry", "composting", "rain gardens",
+    "forests", "rivers", "oceans", "mountains", "islands", "caves", "weather forecasts", "snow",
+    "lightning", "fog", "seasons", "time zones", "calendars", "maps", "compasses",
+    "the metric system",
+    "geometry", "statistics", "logic puzzles", "riddles", "magic tricks", "circuses", "zoos",
+    "elephants", "whales", "penguins", "butterflies", "ants", "mushrooms", "trees", "flowers",
+)
+_EXTRA_CODE_TASKS = (
+    "counts how often each letter appears", "reverses the words in a sentence",
+    "checks whether a year is a leap year", "converts a number to binary",
+    "finds the second largest number in a list", "rotates a list by k positions",
+    "removes whitespace from a string", "computes the power of a number",
+    "splits a list into chunks of size n", "finds common elements of two lists",
+    "checks whether a list is sorted", "computes the median of a list",
+)
+_EXTRA_LIST_SUBJECTS = (
+    "fruits rich in vitamin C", "famous scientists", "Asian capitals", "ways to fall asleep faster",
+    "card games", "picnic foods", "web browsers", "string instruments", "tips for a first job",
+    "indoor plants that need little light", "ways to save money on groceries",
+    "science fiction films",
+    "things to do in a park", "stretches for back pain", "soup recipes", "dog breeds",
+    "questions to ask a doctor", "uses for vinegar", "desert animals", "jobs in healthcare",
+    "lunch ideas for kids", "skills to learn online", "board game night snacks",
+    "things to check before a road trip", "Greek gods", "planets in the solar system",
+    "types of clouds", "ways to stay cool in summer", "computer parts", "colors of the rainbow",
+)
+_EXTRA_FACT_QUESTIONS = (
+    "How many days are in a leap year?", "What is the capital of Canada?",
+    "Who invented the telephone?", "What is the largest mammal?", "How many planets are there?",
+    "What is the chemical symbol for iron?", "How many seconds are in an hour?",
+    "What is the largest desert in the world?", "Who wrote Pride and Prejudice?",
+    "What is the main gas in Earth's atmosphere?", "How many players are on a soccer team?",
+    "What does RAM stand for?", "What is the currency of the United Kingdom?",
+    "How many weeks are in a year?", "What is the closest star to Earth?",
+    "Which organ pumps blood through the body?", "What is 12 squared?",
+    "What language has the most native speakers?", "How many colors are in a rainbow?",
+    "What is the opposite of hot?",
+)
+_EXTRA_IME_STARTS = (
+    "I just wanted to say", "Can you pick up some", "We're going to the", "Let me know when",
+    "I'll call you after", "Thanks for letting me know", "I'm so sorry to hear",
+    "See you tomorrow at",
+    "The kids are", "Dinner is ready, so", "I forgot my", "Could we talk about",
+    "The package should arrive", "I'm on my way to", "Congratulations on your",
+    "Please find attached the",
+    "As discussed in the meeting,", "I would like to apply for", "The results of the test",
+    "My flight was delayed", "We have a reservation for", "I left the keys", "Are we still on for",
+    "The doctor said that", "I finished reading the", "Our next step is to",
+    "The password for the wifi is",
+    "Quick question: do you", "It was great to see you", "I'm thinking about buying",
+    "The weather forecast says", "Don't worry about the", "I booked a table at", "The car needs",
+    "Can you remind me to", "I'm excited to announce", "Here is a summary of", "The file is too",
+    "Let's try again on", "Happy anniversary! We",
+)
+
+
+def _extra_prompts() -> list[tuple[DistillPrompt, str]]:
+    out: list[tuple[DistillPrompt, str]] = []
+    for t in _EXTRA_CHAT_TOPICS:
+        for tpl in _CHAT_TEMPLATES:
+            out.append((DistillPrompt(tpl.format(t=t), "chat", True), f"chat:{t}"))
+    for task in _EXTRA_CODE_TASKS:
+        for lang in _CODE_LANGS:
+            for tpl in _CODE_TEMPLATES:
+                out.append((DistillPrompt(tpl.format(lang=lang, task=task), "code", True),
+                            f"code:{task}"))
+    for s in _EXTRA_LIST_SUBJECTS:
+        for tpl in _LIST_TEMPLATES:
+            out.append((DistillPrompt(tpl.format(s=s), "list", True), f"list:{s}"))
+    for text in _EXTRA_FACT_QUESTIONS:
+        out.append((DistillPrompt(text, "fact", True), f"fact:{text}"))
+    for start in _EXTRA_IME_STARTS:
+        for name in _IME_NAMES:
+            out.append((DistillPrompt(name + start, "ime", False), f"ime:{start}"))
+    return out
+
+
 def _topic_bucket(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % NUM_BUCKETS
 
@@ -230,11 +327,11 @@ def _all_prompts() -> list[tuple[DistillPrompt, str]]:
 
 
 @cache
-def _split() -> tuple[tuple[DistillPrompt, ...], tuple[DistillPrompt, ...]]:
+def _split() -> dict[str, tuple[DistillPrompt, ...]]:
     from shared.prompts import CHAT_PROMPTS
 
     benchmark = set(CHAT_PROMPTS)
-    train, heldout, seen = [], [], set()
+    train, heldout, extra, seen = [], [], [], set()
     for prompt, key in _all_prompts():
         if prompt.text in seen:
             continue
@@ -243,14 +340,26 @@ def _split() -> tuple[tuple[DistillPrompt, ...], tuple[DistillPrompt, ...]]:
             heldout.append(prompt)
         elif prompt.text not in benchmark:
             train.append(prompt)
-    return tuple(train), tuple(heldout)
+    heldout_keys = {key for _, key in _all_prompts() if _topic_bucket(key) in HELDOUT_BUCKETS}
+    for prompt, key in _extra_prompts():
+        if (prompt.text in seen or prompt.text in benchmark or key in heldout_keys
+                or _topic_bucket(key) in HELDOUT_BUCKETS):
+            continue
+        seen.add(prompt.text)
+        extra.append(prompt)
+    return {"train": tuple(train), "heldout": tuple(heldout), "extra": tuple(extra)}
 
 
-def prompt_split(name: Literal["train", "heldout"]) -> list[DistillPrompt]:
-    """The training or held-out prompts, in a fixed order (deterministic across runs)."""
-    train, heldout = _split()
-    if name == "train":
-        return list(train)
-    if name == "heldout":
-        return list(heldout)
-    raise ValueError(f"split must be 'train' or 'heldout', got {name!r}")
+SPLITS = ("train", "heldout", "extra")
+
+
+def prompt_split(name: Literal["train", "heldout", "extra"]) -> list[DistillPrompt]:
+    """A split's prompts, in a fixed order (deterministic across runs).
+
+    ``extra`` is a second training split on topics that neither ``train`` nor ``heldout``
+    has; ``heldout`` is the same whether or not it exists.
+    """
+    splits = _split()
+    if name not in splits:
+        raise ValueError(f"split must be one of {SPLITS}, got {name!r}")
+    return list(splits[name])

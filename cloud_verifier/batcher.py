@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cloud_verifier.draft_policy import VerifyCostModel
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
@@ -51,8 +52,11 @@ class RoundBatcher:
                  max_batch_tokens: int = 512, gather_window_s: float = 0.0,
                  max_queued_rounds: int = 256,
                  evict: Callable[[int, set[str]], None] = lambda nbytes, keep: None,
-                 regather_s: float = 0.005) -> None:
+                 regather_s: float = 0.005,
+                 cost_model: VerifyCostModel | None = None) -> None:
         self.engine = engine
+        # Learns what a forward of a given shape costs from the forwards run here.
+        self.cost_model = cost_model or VerifyCostModel(fit=False)
         self.metrics = metrics
         self.max_queued_rounds = max_queued_rounds
         # Frees idle sessions' KV memory: evict(bytes needed, ids of sessions to keep).
@@ -142,17 +146,29 @@ class RoundBatcher:
         started = time.perf_counter_ns()
         for ticket in batch:
             ticket.queue_ns = started - ticket.enqueued_ns
+        tokens = sum(t.num_tokens for t in batch)
         self.metrics.batch_sessions.observe(len(batch))
-        self.metrics.batch_tokens.observe(sum(t.num_tokens for t in batch))
+        self.metrics.batch_tokens.observe(tokens)
         try:
             outcomes: list[RoundOutcome | Exception] = await asyncio.to_thread(
                 self.engine.run_batch, rounds)
         except Exception as exc:  # noqa: BLE001 - the forward failed for the whole batch
             log.exception("batched forward of %d rounds failed", len(batch))
             outcomes = [exc] * len(batch)
+        else:
+            self._learn_cost(len(batch), tokens, time.perf_counter_ns() - started)
         self.metrics.kv_bytes.set(self.engine.kv.bytes_in_use)
         for ticket, outcome in zip(batch, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 ticket.future.set_exception(outcome)
             else:
                 ticket.future.set_result(outcome)
+
+    def _learn_cost(self, sessions: int, tokens: int, elapsed_ns: int) -> None:
+        model = self.cost_model
+        model.observe(sessions, tokens, elapsed_ns / 1e9)
+        if model.fixed_ms is not None:
+            session_cost, token_cost = model.relative_costs()
+            self.metrics.verify_fixed_seconds.set(model.fixed_ms / 1000)
+            self.metrics.verify_session_cost.set(session_cost)
+            self.metrics.verify_token_cost.set(token_cost)

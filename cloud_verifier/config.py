@@ -34,9 +34,11 @@ class VerifierConfig:
     # Beyond this many queued rounds, new rounds get RESOURCE_EXHAUSTED.
     max_queued_rounds: int = 256
     # Cost of one verified token and of one more session, relative to a forward's fixed cost
-    # (see draft_policy; python -m cloud_verifier.bench_verify_cost measures them).
+    # (see draft_policy; python -m cloud_verifier.bench_verify_cost measures them). With
+    # fit_verify_cost they are the prior of an online fit to the server's own forwards.
     verify_token_cost: float = DEFAULT_TOKEN_COST
     verify_session_cost: float = DEFAULT_SESSION_COST
+    fit_verify_cost: bool = True
     # Bytes of target KV cache all sessions may hold; None means unbounded.
     kv_budget_bytes: int | None = None
     # Prometheus HTTP port; None disables the endpoint.

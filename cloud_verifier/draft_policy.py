@@ -9,6 +9,8 @@ suggestion maximises each session's tokens per unit of forward cost, ``E(K) / co
 saturation it shrinks K (to 0: plain decoding) exactly when a round's extra tokens cost more
 than they commit.
 
+The server fits s and t online to its own forwards (``VerifyCostModel``); the constants
+below are its prior and what it uses with ``--fixed-verify-cost``.
 s = 0.038 and t = 0.018 are a least-squares fit of the packed verify forward on the project's
 2-core CPU (``python -m cloud_verifier.bench_verify_cost``, which prints the fit for any
 machine; ``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it): about
@@ -23,6 +25,10 @@ new session and turned speculation off from 8 sessions on, where it pays most.
 """
 
 from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
 
 DEFAULT_SESSION_COST = 0.038
 DEFAULT_TOKEN_COST = 0.018
@@ -48,6 +54,73 @@ def suggest_draft_len(alpha: float, batch_sessions: int, max_k: int,
         if value > best + 1e-12:
             best_k, best = k, value
     return best_k
+
+
+class VerifyCostModel:
+    """The verify cost ``ms = a + s * sessions + t * tokens``, fitted online to the forwards
+    the batcher actually runs, so the suggestion follows the machine and the model it serves
+    instead of constants measured once elsewhere.
+
+    The configured relative costs are a prior, entered as pseudo-forwards at a spread of batch
+    shapes (scaled to the observed forward times) and weighted as ``prior_weight`` real ones:
+    with few or collinear observations (plain decoding has tokens == sessions, so s and t
+    cannot be told apart from it alone) the prior decides the direction the data cannot.
+    ``relative_costs()`` returns (s / a, t / a), what ``suggest_draft_len`` takes.
+    """
+
+    # (sessions, tokens) of the prior's pseudo-forwards: decode and K = 4 batches, 1..32 sessions.
+    _PRIOR_SHAPES = ((1, 1), (1, 5), (4, 4), (4, 20), (16, 16), (16, 80), (32, 32), (32, 160))
+
+    def __init__(self, session_cost: float = DEFAULT_SESSION_COST,
+                 token_cost: float = DEFAULT_TOKEN_COST, fit: bool = True,
+                 window: int = 512, prior_weight: float = 32.0, refit_every: int = 16) -> None:
+        if session_cost < 0 or token_cost < 0:
+            raise ValueError("verify costs must be >= 0")
+        self.prior = (session_cost, token_cost)
+        self.fit = fit
+        self.prior_weight = prior_weight
+        self.refit_every = refit_every
+        self._seen: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._since_fit = 0
+        self._relative = self.prior
+        self._fixed_ms: float | None = None
+
+    def observe(self, sessions: int, tokens: int, seconds: float) -> None:
+        if not self.fit or sessions < 1 or tokens < 1 or not seconds > 0:
+            return
+        self._seen.append((sessions, tokens, seconds * 1000.0))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._since_fit = 0
+            self._refit()
+
+    def relative_costs(self) -> tuple[float, float]:
+        """(session cost, token cost), each relative to a forward's fixed cost."""
+        return self._relative
+
+    @property
+    def fixed_ms(self) -> float | None:
+        """The fitted fixed cost of a forward in ms (None before the first fit)."""
+        return self._fixed_ms
+
+    def _refit(self) -> None:
+        seen = np.array(self._seen, dtype=np.float64)
+        s0, t0 = self.prior
+        shape = lambda b, n: 1.0 + s0 * b + t0 * n  # noqa: E731 - prior cost in units of a
+        # Scale of the prior: the fixed cost that best explains what was seen, given s0, t0.
+        f = shape(seen[:, 0], seen[:, 1])
+        a0 = float(f @ seen[:, 2] / (f @ f))
+        pb, pn = np.array(self._PRIOR_SHAPES, dtype=np.float64).T
+        rows = np.concatenate([np.column_stack([np.ones(len(seen)), seen[:, 0], seen[:, 1]]),
+                               np.column_stack([np.ones(len(pb)), pb, pn])])
+        y = np.concatenate([seen[:, 2], a0 * shape(pb, pn)])
+        w = np.sqrt(np.concatenate([np.ones(len(seen)),
+                                    np.full(len(pb), self.prior_weight / len(pb))]))
+        a, s, t = np.linalg.lstsq(rows * w[:, None], y * w, rcond=None)[0]
+        if a <= 0:  # nothing sensible to normalise by; keep the last answer
+            return
+        self._fixed_ms = float(a)
+        self._relative = (max(float(s / a), 0.0), max(float(t / a), 0.0))
 
 
 class AcceptanceTracker:

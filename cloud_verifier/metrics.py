@@ -58,5 +58,19 @@ class VerifierMetrics:
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",
                               registry=r)
 
+        # The online fit of a forward's cost that the suggested draft length is chosen by
+        # (draft_policy.VerifyCostModel): fixed seconds, and session/token costs relative to it.
+        self.verify_fixed_seconds = Gauge(
+            "edgespec_verify_cost_fixed_seconds",
+            "Fitted fixed cost of one target forward.", registry=r)
+        self.verify_session_cost = Gauge(
+            "edgespec_verify_cost_per_session_ratio",
+            "Fitted cost of one more session in a forward, relative to the fixed cost.",
+            registry=r)
+        self.verify_token_cost = Gauge(
+            "edgespec_verify_cost_per_token_ratio",
+            "Fitted cost of one more token in a forward, relative to the fixed cost.",
+            registry=r)
+
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

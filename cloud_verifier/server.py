@@ -158,9 +158,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="rounds waiting for the model beyond which RESOURCE_EXHAUSTED is sent")
     p.add_argument("--verify-token-cost", type=float, default=DEFAULT_TOKEN_COST,
                    help="cost of a verified token relative to a forward's fixed cost, for the "
-                        "suggested draft length (python -m cloud_verifier.bench_verify_cost)")
+                        "suggested draft length (python -m cloud_verifier.bench_verify_cost); "
+                        "the prior of the online fit unless --fixed-verify-cost")
     p.add_argument("--verify-session-cost", type=float, default=DEFAULT_SESSION_COST,
                    help="cost of one more session in a forward, relative to its fixed cost")
+    p.add_argument("--fixed-verify-cost", action="store_true",
+                   help="use the two costs above as they are, without fitting them online to "
+                        "the server's own forwards")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="bytes of target KV cache all sessions may hold (default: unbounded)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
@@ -183,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         max_context=args.max_context, max_sessions=args.max_sessions,
         max_batch_tokens=args.max_batch_tokens, gather_window_s=args.gather_window_ms / 1000,
         max_queued_rounds=args.max_queued_rounds, verify_token_cost=args.verify_token_cost,
-        verify_session_cost=args.verify_session_cost,
+        verify_session_cost=args.verify_session_cost, fit_verify_cost=not args.fixed_verify_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
         metrics_port=args.metrics_port)

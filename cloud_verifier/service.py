@@ -21,7 +21,7 @@ import grpc
 
 from cloud_verifier.batcher import RoundAbandoned, RoundBatcher, Ticket
 from cloud_verifier.config import VerifierConfig, key_digest
-from cloud_verifier.draft_policy import PROBE_EVERY, suggest_draft_len
+from cloud_verifier.draft_policy import PROBE_EVERY, VerifyCostModel, suggest_draft_len
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import (
     ContextTooLong,
@@ -144,7 +144,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         # Rounds of all sessions queue here and share forwards.
         self.batcher = RoundBatcher(engine, metrics, config.max_batch_tokens,
                                     config.gather_window_s, config.max_queued_rounds,
-                                    self._evict_idle)
+                                    self._evict_idle,
+                                    cost_model=VerifyCostModel(config.verify_session_cost,
+                                                               config.verify_token_cost,
+                                                               fit=config.fit_verify_cost))
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -336,10 +339,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                 raise
             session.acceptance.update(len(draft.tokens), outcome.num_accepted)
             load = max(outcome.batch_sessions, len(self.batcher) + 1)
+            session_cost, token_cost = self.batcher.cost_model.relative_costs()
             suggested = suggest_draft_len(session.acceptance.alpha, load,
-                                          self.config.max_draft_len,
-                                          self.config.verify_token_cost,
-                                          self.config.verify_session_cost)
+                                          self.config.max_draft_len, token_cost, session_cost)
             if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
                 suggested = 1  # keep measuring acceptance
             result = RoundResult(

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from cloud_verifier.batcher import RoundBatcher
 from cloud_verifier.config import VerifierConfig
-from cloud_verifier.draft_policy import expected_tokens, suggest_draft_len
+from cloud_verifier.draft_policy import VerifyCostModel, expected_tokens, suggest_draft_len
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
@@ -41,6 +42,45 @@ def test_suggested_draft_length_follows_acceptance_and_load():
     # Sessions weigh on every K alike, so a per-session cost alone never turns drafting off.
     assert suggest_draft_len(0.7, 16, 8, token_cost=0.0, session_cost=1.0) == 8
     assert all(0 <= suggest_draft_len(a / 10, 4, 6) <= 6 for a in range(11))
+
+
+def _observe(model: VerifyCostModel, shapes, a_ms, s_ms, t_ms, noise_ms=0.0, seed=0) -> None:
+    rng = np.random.default_rng(seed)
+    for b, n in shapes:
+        model.observe(b, n, (a_ms + s_ms * b + t_ms * n + rng.normal(0, noise_ms)) / 1000)
+
+
+def test_verify_cost_model_fits_the_forwards_it_sees():
+    """512 forwards of mixed shapes (1..32 sessions, K = 0..4) with 5 ms noise: the fit
+    recovers s/a and t/a of ms = 100 + 6/session + 1.5/token within 0.01, far from the prior."""
+    model = VerifyCostModel(session_cost=0.038, token_cost=0.018)
+    rng = np.random.default_rng(1)
+    shapes = [(b, b * (k + 1)) for b, k in zip(rng.integers(1, 33, 512), rng.integers(0, 5, 512),
+                                               strict=True)]
+    _observe(model, shapes, 100.0, 6.0, 1.5, noise_ms=5.0)
+    s, t = model.relative_costs()
+    assert s == pytest.approx(0.06, abs=0.01) and t == pytest.approx(0.015, abs=0.01)
+    assert model.fixed_ms == pytest.approx(100.0, abs=10.0)
+
+
+def test_verify_cost_model_keeps_the_prior_where_the_data_cannot_tell():
+    """Only plain decoding (tokens == sessions): the data fixes s + t, the prior the split."""
+    model = VerifyCostModel(session_cost=0.04, token_cost=0.02)
+    _observe(model, [(b, b) for b in range(1, 33)] * 8, 100.0, 4.0, 2.0)
+    s, t = model.relative_costs()
+    assert s + t == pytest.approx(0.06, abs=0.005)
+    assert s == pytest.approx(0.04, abs=0.01) and t == pytest.approx(0.02, abs=0.01)
+
+
+def test_verify_cost_model_without_fitting_or_data_is_the_prior():
+    fixed = VerifyCostModel(session_cost=0.1, token_cost=0.2, fit=False)
+    _observe(fixed, [(4, 20)] * 64, 100.0, 50.0, 50.0)
+    assert fixed.relative_costs() == (0.1, 0.2) and fixed.fixed_ms is None
+    fresh = VerifyCostModel(session_cost=0.1, token_cost=0.2, refit_every=16)
+    _observe(fresh, [(4, 20)] * 15, 100.0, 50.0, 50.0)
+    assert fresh.relative_costs() == (0.1, 0.2)  # not refitted yet
+    with pytest.raises(ValueError, match=">= 0"):
+        VerifyCostModel(session_cost=-1.0)
 
 
 def test_replies_carry_a_suggested_draft_length(target):

@@ -108,9 +108,14 @@ def test_concurrent_clients_get_their_own_output(target, tiny_llama_pair):
         for t in threads:
             t.join()
         batches = server.server.metrics.batch_sessions
+        fitted_fixed_s = server.server.metrics.verify_fixed_seconds._value.get()
+        cost_model = server.server.service.batcher.cost_model
     assert together == alone
     # The rounds really were batched: some forward served more than one session.
     assert _histogram_max_bucket_used(batches) > 1
+    # ... and every forward fed the online cost fit the suggested draft length comes from.
+    assert fitted_fixed_s > 0 and cost_model.fixed_ms == pytest.approx(fitted_fixed_s * 1000)
+    assert all(c >= 0 for c in cost_model.relative_costs())
 
 
 def _histogram_max_bucket_used(histogram) -> float:

@@ -249,7 +249,8 @@ def test_saturated_server_decodes_in_session_without_a_round_trip_per_token(
     the baseline, one forward per token, and far fewer round trips than tokens."""
     kw = {"clients": 2, "workload": "chat", "profile": "none", "duration_s": 2.5}
     base = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, mode="baseline", **kw)
-    config = VerifierConfig(port=0, verify_token_cost=100.0)
+    config = VerifierConfig(port=0, verify_token_cost=100.0,
+                            fit_verify_cost=False)
     with EmbeddedVerifier(target, config) as saturated:
         spec = fleet(saturated.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
     check_result(spec, 2)

@@ -317,7 +317,8 @@ def test_resource_exhausted_carries_a_retry_hint(stub):
 def test_continue_streams_plain_decoding_in_the_session(target):
     """Under a cost model where drafting never pays, Continue decodes round after round in
     the session, streams each one, and stops after the acceptance probe (PROBE_EVERY)."""
-    config = VerifierConfig(port=0, max_draft_len=8, verify_token_cost=100.0)
+    config = VerifierConfig(port=0, max_draft_len=8, verify_token_cost=100.0,
+                            fit_verify_cost=False)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.VerifierStub(channel)

@@ -192,10 +192,10 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         samples, index, t0, n_tok = [], [], time.perf_counter(), 0
         for b in range(0, len(encoded), cfg.batch_size):
             batch = encoded[b : b + cfg.batch_size]
-            rows = _generate_batch(
-                writer, [e[1] for e in batch], [e[2] for e in batch], cfg, eos, pad_id, gen
-            )
-            if writer is not target.model:
+            on_policy = writer is not target.model
+            rows = _generate_batch(writer, [e[1] for e in batch], [e[2] for e in batch], cfg,
+                                   eos, pad_id, gen, record_top_k=not on_policy)
+            if on_policy:
                 rows = _label(target.model, rows, cfg.top_k, pad_id)
             samples += rows
             index += [e[0] for e in batch]
@@ -235,8 +235,10 @@ def _check_resume(config_path: Path, cfg: GenConfig) -> None:
 
 
 def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: GenConfig,
-                    eos: set[int], pad_id: int, gen) -> list[Sample]:
-    """Left-padded batched decoding with a KV cache; finished rows leave the batch."""
+                    eos: set[int], pad_id: int, gen, record_top_k: bool = True) -> list[Sample]:
+    """Left-padded batched decoding with a KV cache; finished rows leave the batch. Each
+    token's top-k log-probabilities are recorded unless ``record_top_k`` is False (their
+    arrays are then empty, for ``_label`` to fill)."""
     import torch
     from transformers import DynamicCache
 
@@ -259,8 +261,10 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
                        past_key_values=cache, use_cache=True).logits[:, -1, :].float()
         next_pos = positions[:, -1] + 1
         for _ in range(cfg.max_new_tokens):
-            logp = torch.log_softmax(logits, dim=-1)  # [b, V], p at temperature 1
-            top_logp, top_ids = logp.topk(cfg.top_k, dim=-1)  # [b, k]
+            if record_top_k:  # [b, k]: p at temperature 1
+                top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(cfg.top_k, dim=-1)
+            else:
+                top_logp = top_ids = torch.empty((len(alive), 0))
             greedy = logits.argmax(-1)
             t = temps[alive]
             token = greedy.clone()

@@ -1229,7 +1229,8 @@ def _pipeline_stages(run: Path, ck: dict) -> dict:
         if not parent or not (Path(parent) / "ckpt.pt").is_file():
             return {"data": dict(sorted(data.items())), "train": train_runs}
         run = Path(parent)
-        ck = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False)
+        # mmap: only the metadata read here is paged in, not weights and optimizer state
+        ck = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=False, mmap=True)
 
 
 def _arch_from_json(obj: dict) -> ArchConfig:

@@ -21,7 +21,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from cloud_verifier.engine import VerifierEngine
+from cloud_verifier.bench_verify_cost import context_lengths, prefilled_kvs
 from cloud_verifier.packed_forward import Segment, packed_forward
 from cloud_verifier.target_model import load_target
 
@@ -38,7 +38,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _time_batch(target, b: int, k: int, repeats: int, gen: torch.Generator):
     model = target.model
-    lengths = [64 + (256 * i) // max(1, b - 1) for i in range(b)]
+    lengths = context_lengths(target, b, k + 1)
     contexts = [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
                 for n in lengths]
     new = [torch.randint(0, target.vocab_size, (k + 1,), generator=gen).tolist()
@@ -49,11 +49,7 @@ def _time_batch(target, b: int, k: int, repeats: int, gen: torch.Generator):
             cache = DynamicCache()
             model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True)
             caches.append(cache)
-    engine = VerifierEngine(model, target.vocab_size, target.max_context)
-    kvs = [engine.kv.ensure(None, len(c) + k + 1) for c in contexts]
-    packed_forward(model, [Segment(kv, c, 1) for kv, c in zip(kvs, contexts, strict=True)])
-    for kv, c in zip(kvs, contexts, strict=True):
-        kv.length = len(c)
+    kvs = prefilled_kvs(target, contexts, k + 1)
 
     def sequential():
         with torch.inference_mode():

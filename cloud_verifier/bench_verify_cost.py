@@ -36,20 +36,32 @@ from cloud_verifier.packed_forward import Segment, packed_forward
 from cloud_verifier.target_model import load_target
 
 
+def context_lengths(target, b: int, reserve: int) -> list[int]:
+    """B context lengths spread over 64..320 tokens, leaving ``reserve`` within the context."""
+    longest = min(320, target.max_context - reserve)
+    return [min(64, longest) + (max(0, longest - 64) * i) // max(1, b - 1) for i in range(b)]
+
+
+def prefilled_kvs(target, contexts: list[list[int]], reserve: int) -> list:
+    """One packed KV cache per context, prefilled with it, room for ``reserve`` more tokens
+    (each prefilled alone: the cache is the same as the verifier's after that prompt)."""
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    kvs = []
+    for context in contexts:
+        kv = engine.kv.ensure(None, len(context) + reserve)
+        packed_forward(target.model, [Segment(kv, context, 1)])
+        kv.length = len(context)
+        kvs.append(kv)
+    return kvs
+
+
 def verify_costs_ms(target, b: int, max_k: int, repeats: int,
                     gen: torch.Generator) -> list[float]:
     """Median ms of one packed forward over B sessions with K + 1 new tokens each, K = 0.."""
     model = target.model
-    longest = min(320, target.max_context - max_k - 1)
-    lengths = [min(64, longest) + (max(0, longest - 64) * i) // max(1, b - 1) for i in range(b)]
-    engine = VerifierEngine(model, target.vocab_size, target.max_context)
-    kvs = []
-    for n in lengths:
-        kv = engine.kv.ensure(None, n + max_k + 1)
-        context = torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
-        packed_forward(model, [Segment(kv, context, 1)])
-        kv.length = n
-        kvs.append(kv)
+    lengths = context_lengths(target, b, max_k + 1)
+    kvs = prefilled_kvs(target, [torch.randint(0, target.vocab_size, (n,), generator=gen).tolist()
+                                 for n in lengths], max_k + 1)
     out = []
     for k in range(max_k + 1):
         new = [torch.randint(0, target.vocab_size, (k + 1,), generator=gen).tolist()

@@ -1,10 +1,19 @@
-"""The verify-cost benchmark's arithmetic, and one run on the tiny target."""
+"""The verify-cost and layout benchmarks: their arithmetic, their prefilled caches, and one
+run of each on the tiny target."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cloud_verifier.bench_verify_cost import best_gain, break_even_alpha, fit_costs, main
+from cloud_verifier import bench_layout
+from cloud_verifier.bench_verify_cost import (
+    best_gain,
+    break_even_alpha,
+    fit_costs,
+    main,
+    prefilled_kvs,
+)
 from cloud_verifier.draft_policy import expected_tokens
 
 
@@ -46,3 +55,27 @@ def test_runs_on_the_tiny_target(tiny_llama_pair, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "3"]
     assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
+
+
+def test_prefilled_caches_continue_like_the_whole_sequence(target):
+    """What both benchmarks time is a real verify step: after prefill, a packed forward over
+    3 new tokens per session gives the model's own logits for context + those tokens."""
+    from cloud_verifier.packed_forward import Segment, packed_forward
+
+    contexts = [[(7 * i + j) % target.vocab_size for j in range(n)]
+                for i, n in enumerate((5, 12, 30))]
+    kvs = prefilled_kvs(target, contexts, 3)
+    assert [kv.length for kv in kvs] == [5, 12, 30]
+    out = packed_forward(target.model, [Segment(kv, [1, 2, 3], 3) for kv in kvs])
+    with torch.no_grad():
+        for got, c in zip(out, contexts, strict=True):
+            want = target.model(torch.tensor([c + [1, 2, 3]])).logits[0, -3:]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_layout_bench_runs_on_the_tiny_target(tiny_llama_pair, capsys):
+    assert bench_layout.main(["--model", str(tiny_llama_pair.target_dir), "--batches", "1",
+                              "3", "--k", "2", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "3"]
+    assert all(r.endswith("x |") for r in rows[1:])

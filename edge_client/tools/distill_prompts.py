@@ -268,62 +268,57 @@ _EXTRA_IME_STARTS = (
 )
 
 
-def _extra_prompts() -> list[tuple[DistillPrompt, str]]:
-    out: list[tuple[DistillPrompt, str]] = []
-    for t in _EXTRA_CHAT_TOPICS:
-        for tpl in _CHAT_TEMPLATES:
-            out.append((DistillPrompt(tpl.format(t=t), "chat", True), f"chat:{t}"))
-    for task in _EXTRA_CODE_TASKS:
-        for lang in _CODE_LANGS:
-            for tpl in _CODE_TEMPLATES:
-                out.append((DistillPrompt(tpl.format(lang=lang, task=task), "code", True),
-                            f"code:{task}"))
-    for s in _EXTRA_LIST_SUBJECTS:
-        for tpl in _LIST_TEMPLATES:
-            out.append((DistillPrompt(tpl.format(s=s), "list", True), f"list:{s}"))
-    for text in _EXTRA_FACT_QUESTIONS:
-        out.append((DistillPrompt(text, "fact", True), f"fact:{text}"))
-    for start in _EXTRA_IME_STARTS:
-        for name in _IME_NAMES:
-            out.append((DistillPrompt(name + start, "ime", False), f"ime:{start}"))
-    return out
+Keyed = list[tuple[DistillPrompt, str]]  # a prompt and the key its split is decided by
+
+
+def _chat(topics) -> Keyed:
+    return [(DistillPrompt(tpl.format(t=t), "chat", True), f"chat:{t}")
+            for t in topics for tpl in _CHAT_TEMPLATES]
+
+
+def _code(tasks) -> Keyed:
+    return [(DistillPrompt(tpl.format(lang=lang, task=task), "code", True), f"code:{task}")
+            for task in tasks for lang in _CODE_LANGS for tpl in _CODE_TEMPLATES]
+
+
+def _lists(subjects) -> Keyed:
+    return [(DistillPrompt(tpl.format(s=s), "list", True), f"list:{s}")
+            for s in subjects for tpl in _LIST_TEMPLATES]
+
+
+def _facts(questions) -> Keyed:
+    return [(DistillPrompt(text, "fact", True), f"fact:{text}") for text in questions]
+
+
+def _ime(starts) -> Keyed:
+    return [(DistillPrompt(name + start, "ime", False), f"ime:{start}")
+            for start in starts for name in _IME_NAMES]
+
+
+def _extra_prompts() -> Keyed:
+    return (_chat(_EXTRA_CHAT_TOPICS) + _code(_EXTRA_CODE_TASKS) + _lists(_EXTRA_LIST_SUBJECTS)
+            + _facts(_EXTRA_FACT_QUESTIONS) + _ime(_EXTRA_IME_STARTS))
 
 
 def _topic_bucket(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % NUM_BUCKETS
 
 
-def _all_prompts() -> list[tuple[DistillPrompt, str]]:
-    """Every prompt with the key its split is decided by."""
-    out: list[tuple[DistillPrompt, str]] = []
-    for t in _CHAT_TOPICS:
-        for tpl in _CHAT_TEMPLATES:
-            out.append((DistillPrompt(tpl.format(t=t), "chat", True), f"chat:{t}"))
-    for task in _CODE_TASKS:
-        for lang in _CODE_LANGS:
-            for tpl in _CODE_TEMPLATES:
-                out.append((DistillPrompt(tpl.format(lang=lang, task=task), "code", True),
-                            f"code:{task}"))
-    for text in _SQL_TASKS:
-        out.append((DistillPrompt(text, "code", True), f"code1:{text}"))
-    for s in _LIST_SUBJECTS:
-        for tpl in _LIST_TEMPLATES:
-            out.append((DistillPrompt(tpl.format(s=s), "list", True), f"list:{s}"))
-    for c in _COUNTRIES:
-        for tpl in _COUNTRY_FACTS:
-            out.append((DistillPrompt(tpl.format(c=c), "fact", True), f"country:{c}"))
-    for text in _FACT_QUESTIONS:
-        out.append((DistillPrompt(text, "fact", True), f"fact:{text}"))
+def _all_prompts() -> Keyed:
+    """Every base prompt with the key its split is decided by."""
+    out = _chat(_CHAT_TOPICS) + _code(_CODE_TASKS)
+    out += [(DistillPrompt(text, "code", True), f"code1:{text}") for text in _SQL_TASKS]
+    out += _lists(_LIST_SUBJECTS)
+    out += [(DistillPrompt(tpl.format(c=c), "fact", True), f"country:{c}")
+            for c in _COUNTRIES for tpl in _COUNTRY_FACTS]
+    out += _facts(_FACT_QUESTIONS)
     for a in _NUMBERS:
         for b in _NUMBERS[:5]:
             for tpl in _ARITH_TEMPLATES:
                 if "{b}" not in tpl and b != _NUMBERS[0]:
                     continue
                 out.append((DistillPrompt(tpl.format(a=a, b=b), "fact", True), f"num:{a}"))
-    for start in _IME_STARTS:
-        for name in _IME_NAMES:
-            out.append((DistillPrompt(name + start, "ime", False), f"ime:{start}"))
-    return out
+    return out + _ime(_IME_STARTS)
 
 
 @cache

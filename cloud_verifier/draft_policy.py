@@ -11,17 +11,18 @@ than they commit.
 
 The server fits s and t online to its own forwards (``VerifyCostModel``); the constants
 below are its prior and what it uses with ``--fixed-verify-cost``.
-s = 0.038 and t = 0.018 are a least-squares fit of the packed verify forward on the project's
+s = 0.032 and t = 0.020 are a least-squares fit of the packed verify forward on the project's
 2-core CPU (``python -m cloud_verifier.bench_verify_cost``, which prints the fit for any
 machine; ``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it): about
-130 ms fixed, 4.9 ms per session and 2.3 ms per token, for 2..80 tokens. Tokens are cheap next
-to sessions because a small-batch forward is bound by streaming the weights, not by FLOPs
-(16 sessions x 5 tokens cost 1.36x 16 sessions x 1 token in that run). A second run that
-added 32 sessions (up to 160 tokens, where the forward turns compute-bound) fitted
-s = 0.035, t = 0.029: these are noisy single-run figures, to be refitted per machine. The
-earlier affine model ``1 + c * tokens`` (c = 0.081 from the project notes, then 0.15 fitted
-to decode batches, where tokens and sessions grow together) charged every draft as much as a
-new session and turned speculation off from 8 sessions on, where it pays most.
+118 ms fixed, 3.8 ms per session and 2.4 ms per token, for 2..160 tokens (2026-11-30, after
+the few-row projection change in packed_forward; two earlier runs fitted 0.038/0.018 and
+0.035/0.029). Tokens are cheap next to sessions because a small-batch forward is bound by
+streaming the weights, not by FLOPs. The earlier affine model ``1 + c * tokens`` (c = 0.081
+from the project notes, then 0.15 fitted to decode batches, where tokens and sessions grow
+together) charged every draft as much as a new session and turned speculation off from 8
+sessions on, where it pays most. A linear model cannot follow the per-shape jumps (a forward
+of at most 8 rows takes a faster path; past ~40 rows it turns compute-bound), which is why the
+server refits it to the shapes it is actually running.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from collections import deque
 
 import numpy as np
 
-DEFAULT_SESSION_COST = 0.038
-DEFAULT_TOKEN_COST = 0.018
+DEFAULT_SESSION_COST = 0.032
+DEFAULT_TOKEN_COST = 0.020
 # With K = 0, alpha is never measured again; probe with K = 1 every this many rounds. Each
 # probe ends the client's Continue stream (one round trip), so it is kept rare.
 PROBE_EVERY = 32

@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 SPAWN_READY_TIMEOUT_S = 300.0
 SCRAPE_EVERY_S = 0.5
 KV_METRIC = "edgespec_kv_cache_bytes"
+# The verifier's online fit of what a forward costs (cloud_verifier.draft_policy), last value.
+COST_METRICS = {"fixed_ms": "edgespec_verify_cost_fixed_seconds",
+                "session_cost": "edgespec_verify_cost_per_session_ratio",
+                "token_cost": "edgespec_verify_cost_per_token_ratio"}
 
 
 @dataclass
@@ -40,6 +44,8 @@ class VerifierReport:
     scrapes: int = 0
     peak_rss_bytes: int | None = None
     exit_code: int | None = None  # 0: drained and stopped cleanly on SIGTERM
+    # Last scraped verify-cost fit: fixed_ms, session_cost and token_cost (relative).
+    verify_cost_fit: dict[str, float] | None = None
 
     def as_dict(self) -> dict:
         out = dict(self.__dict__)
@@ -75,13 +81,16 @@ def peak_rss_bytes(pid: int) -> int | None:
     return None
 
 
-def scrape_gauge(url: str, name: str, timeout_s: float = 2.0) -> float | None:
-    """One unlabelled sample from a Prometheus text endpoint."""
+def scrape_gauges(url: str, names: set[str], timeout_s: float = 2.0) -> dict[str, float]:
+    """The unlabelled samples of ``names`` from a Prometheus text endpoint."""
     with urllib.request.urlopen(url, timeout=timeout_s) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
+        lines = reply.read().decode().splitlines()
+    out = {}
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name in names:
+            out[name] = float(rest.split()[0])
+    return out
 
 
 class _KVWatcher(threading.Thread):
@@ -97,13 +106,18 @@ class _KVWatcher(threading.Thread):
 
     def scrape(self) -> None:
         try:
-            value = scrape_gauge(self.url, KV_METRIC)
+            values = scrape_gauges(self.url, {KV_METRIC, *COST_METRICS.values()})
         except OSError:
             return  # not up yet, or shutting down
+        r = self.report
+        value = values.get(KV_METRIC)
         if value is not None:
-            r = self.report
             r.scrapes += 1
             r.kv_peak_bytes = value if r.kv_peak_bytes is None else max(r.kv_peak_bytes, value)
+        fixed_s = values.get(COST_METRICS["fixed_ms"], 0.0)
+        if fixed_s > 0:  # 0 until the verifier's first fit
+            r.verify_cost_fit = {key: values[name] * (1000 if key == "fixed_ms" else 1)
+                                 for key, name in COST_METRICS.items() if name in values}
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ same weights as one uninterrupted run.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from edge_client.tools.distill import (
     onnx_logits_fn,
     torch_logits_fn,
     train,
+    untie_lm_head,
 )
 from edge_client.tools.distill_prompts import DistillPrompt, prompt_split
 
@@ -156,6 +158,19 @@ def test_train_export_quantize_and_draft_on_the_edge(data, tmp_path):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
     finite = np.isfinite(ref)
     np.testing.assert_allclose(got[finite], ref[finite], atol=1e-4, rtol=1e-4)
+
+    # The tied LM head is untied for quantization (so int8 covers it too); untying alone
+    # changes no logit.
+    import onnx
+
+    heads = [n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node
+             if "lm_head" in n.name]
+    assert heads and "MatMul" not in heads and not (out / "untied.onnx").exists()
+    untied = tmp_path / "untied"
+    shutil.copytree(tmp_path / "fp32", untied)
+    assert untie_lm_head(tmp_path / "fp32" / "model.onnx", untied / "model.onnx")
+    assert not untie_lm_head(untied / "model.onnx", tmp_path / "again.onnx")  # already untied
+    np.testing.assert_allclose(onnx_logits_fn(untied)(ids)[finite], got[finite], atol=1e-5)
 
     # The full-vocabulary PyTorch twin: the same logits on kept ids, 0 elsewhere.
     twin = AutoModelForCausalLM.from_pretrained(tmp_path / "twin").eval()

@@ -54,6 +54,9 @@ def test_report_fields_and_ranges(report):
         by_k = d["greedy_tokens_per_round_by_k"]
         assert list(by_k) == [str(k) for k in range(1, 9)]
         assert all(1 <= by_k[str(k)] <= k + 1 for k in range(1, 9))
+        full = d["greedy_tokens_per_full_round_by_k"]
+        assert list(full) == list(by_k)
+        assert all(full[str(k)] is None or 1 <= full[str(k)] <= k + 1 for k in range(1, 9))
         # The replay is exact: at K it equals the rounds the engine really ran.
         assert by_k[str(K)] == pytest.approx(d["greedy"]["tokens_per_round"])
     assert report["drafters"]["model"]["greedy"]["rounds_without_proposal"] == 0
@@ -126,3 +129,42 @@ def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path
             compared += 1
     assert compared == 48
     assert 0.2 < np.mean(agree) < 0.9, np.mean(agree)  # both branches of every round exercised
+
+
+def test_full_round_tokens_per_round_is_the_steady_state_formula():
+    """A drafter whose every draft matches the target's path with probability a, independently:
+    over full rounds, greedy tokens per round is (1 - a^(K+1)) / (1 - a) (Leviathan et al.),
+    while all rounds of short generations fall below it (the last round is cut).
+    3,000 paths of 16 tokens (about 20k full rounds at K=4; the per-round standard deviation
+    is ~1.3, so the standard error is ~0.01); threshold 0.04."""
+    import numpy as np
+
+    from edge_client.bench_acceptance import ReplayCount, replay_greedy_rounds
+    from edge_client.drafter import Proposal
+
+    alpha, k, n_new = 0.6, 4, 16
+    rng = np.random.default_rng(0)
+
+    class IidDrafter:
+        def __init__(self, prompt_len: int, path: list[int]) -> None:
+            self.prompt_len, self.path = prompt_len, path
+
+        def propose(self, committed, kk):
+            t = len(committed) - self.prompt_len
+            tokens = []
+            while len(tokens) < kk and t + len(tokens) < len(self.path):
+                right = self.path[t + len(tokens)]
+                tokens.append(right if rng.random() < alpha else right + 1)
+                if tokens[-1] != right:
+                    break
+            return Proposal(tokens, None)
+
+    total, path_tokens = ReplayCount(), 0
+    for _ in range(3000):
+        path = rng.integers(0, 1000, size=n_new).tolist()
+        total += replay_greedy_rounds(IidDrafter(3, path), [1, 2, 3], path, k, n_new)
+        path_tokens += n_new
+    expected = (1 - alpha ** (k + 1)) / (1 - alpha)  # 2.306
+    assert total.full_rounds > 15_000
+    assert total.full_tokens / total.full_rounds == pytest.approx(expected, abs=0.04)
+    assert path_tokens / total.rounds < expected - 0.1  # truncated tails pull it down

@@ -78,19 +78,23 @@ def test_prompt_split_is_deterministic_and_disjoint():
     assert all(not p.chat for p in train_set if p.kind == "ime")
 
 
-def test_extra_split_adds_training_topics_without_touching_heldout():
+@pytest.mark.parametrize("split", ["extra", "extra2"])
+def test_extra_split_adds_training_topics_without_touching_heldout(split):
     from edge_client.tools import distill_prompts as dp
 
-    heldout, extra = prompt_split("heldout"), prompt_split("extra")
+    heldout, extra = prompt_split("heldout"), prompt_split(split)
     assert len(extra) >= 1000
-    assert not {p.text for p in extra} & {p.text for p in prompt_split("train") + heldout}
+    earlier = dp.EXTRA_SPLITS[:dp.EXTRA_SPLITS.index(split)]
+    others = prompt_split("train") + heldout + [p for e in earlier for p in prompt_split(e)]
+    assert not {p.text for p in extra} & {p.text for p in others}
     # the held-out split is exactly what the base topics give, extra topics or not
     base = [p for p, key in dp._all_prompts() if dp._topic_bucket(key) in dp.HELDOUT_BUCKETS]
     assert heldout == list(dict.fromkeys(base))
     # no extra prompt shares a topic key with a held-out prompt
     heldout_keys = {k for _, k in dp._all_prompts() if dp._topic_bucket(k) in dp.HELDOUT_BUCKETS}
     extra_texts = {p.text for p in extra}
-    assert not {k for p, k in dp._extra_prompts() if p.text in extra_texts} & heldout_keys
+    assert not {k for p, k in dp._extra_prompts(split) if p.text in extra_texts} & heldout_keys
+    assert {p.kind for p in extra} == {"chat", "code", "list", "fact", "ime"}
     with pytest.raises(ValueError, match="split must be one of"):
         prompt_split("validation")  # type: ignore[arg-type]
 

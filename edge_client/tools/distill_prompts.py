@@ -268,6 +268,83 @@ _EXTRA_IME_STARTS = (
 )
 
 
+# --- a second round of extra training topics (added for draft v5) -----------------------------
+
+_EXTRA2_CHAT_TOPICS = (
+    "lighthouses", "castles", "pyramids", "the Titanic", "the Vikings", "samurai", "knights",
+    "pirates", "ancient Greece", "the Aztecs", "the Cold War", "the space station", "astronauts",
+    "Saturn's rings", "the Milky Way", "meteor showers", "eclipses", "the Big Bang", "sunsets",
+    "thunderstorms", "tornadoes", "droughts", "floods", "wildfires", "avalanches", "icebergs",
+    "wetlands", "grasslands", "jungles", "lakes", "waterfalls", "canyons", "geysers",
+    "sharks", "dolphins", "owls", "eagles", "parrots", "frogs", "snakes", "turtles", "spiders",
+    "horses", "cows", "chickens", "sheep", "rabbits", "hamsters", "goldfish", "foxes", "bears",
+    "lions", "tigers", "giraffes", "kangaroos", "koalas", "pandas", "camels", "bats",
+    "potatoes", "rice", "apples", "bananas", "tomatoes", "olive oil", "pizza", "sushi", "tacos",
+    "curry", "salads", "smoothies", "ice cream", "pancakes", "sandwiches", "breakfast cereal",
+    "meal planning", "food waste", "table manners", "restaurants", "farmers markets",
+    "the piano", "the guitar", "drums", "orchestras", "choirs", "musicals", "movies", "cartoons",
+    "comic books", "board games", "puzzles", "crossword puzzles", "sudoku", "card tricks",
+    "dancing", "ballet", "theater", "sculpture", "pottery", "sewing", "calligraphy", "scrapbooking",
+    "journaling", "reading habits", "audiobooks", "podcasts", "radio", "television", "cinema",
+    "email", "text messages", "video calls", "keyboards", "computer mice", "laptops", "tablets",
+    "smartwatches", "headphones", "printers", "wifi routers", "search engines", "web browsers",
+    "programming", "debugging", "unit tests", "version control", "code reviews", "algorithms",
+    "data structures", "operating systems", "compilers", "artificial intelligence",
+    "chatbots", "computer viruses", "backups", "cybersecurity", "two-factor authentication",
+    "electricity", "light bulbs", "clocks", "bicycles", "motorcycles", "buses", "ships",
+    "ports", "airports", "highways", "traffic lights", "parking", "carpooling", "public transport",
+    "city parks", "playgrounds", "schools", "homework", "exams", "teachers", "universities",
+    "scholarships", "online courses", "note taking", "reading comprehension", "spelling",
+    "handwriting", "vocabulary", "grammar", "punctuation", "translation", "sign language",
+    "volunteering", "charity", "voting", "elections", "laws", "courts", "police", "firefighters",
+    "nurses", "doctors", "dentists", "pharmacies", "hospitals", "exercise routines", "stretching",
+    "posture", "back pain", "headaches", "colds", "allergies", "sunscreen", "eye health",
+    "hearing", "sleep hygiene", "naps", "breathing exercises", "mindfulness", "gratitude",
+    "kindness", "patience", "honesty", "curiosity", "creativity", "confidence", "resilience",
+)
+_EXTRA2_CODE_TASKS = (
+    "checks whether a number is even", "finds the minimum of a list", "sums a list of numbers",
+    "repeats a string n times", "counts the lines in a file", "swaps two variables",
+    "converts a string to uppercase", "finds the index of an item in a list",
+    "computes the area of a circle", "prints the multiplication table of a number",
+    "checks whether a string contains only digits", "merges two dictionaries",
+)
+_EXTRA2_LIST_SUBJECTS = (
+    "things to do on a rainy afternoon", "African countries", "sea birds", "kinds of pasta",
+    "winter sports", "summer fruits", "tools in a toolbox", "famous bridges",
+    "reasons to learn to cook",
+    "ways to make a house cozy", "things to bring to a picnic", "popular pet names",
+    "famous composers", "words that rhyme with cat", "ways to say thank you",
+    "healthy drinks", "jungle animals", "office supplies", "camping gear", "garden flowers",
+    "classic toys", "mobile apps for learning", "ways to relax after work", "types of trees",
+    "things found in a kitchen", "study habits of good students", "farm animals",
+    "questions to ask a landlord", "party games for kids", "citrus fruits",
+)
+_EXTRA2_FACT_QUESTIONS = (
+    "How many days are in a week?", "What is the capital of Japan?", "Who wrote Romeo and Juliet?",
+    "What is the fastest land animal?", "How many hours are in a day?",
+    "What is the chemical symbol for oxygen?", "How many months have 31 days?",
+    "What is the largest country by area?", "Who was the first person to walk on the Moon?",
+    "What do bees make?", "How many sides does a triangle have?", "What is 9 times 9?",
+    "What is the tallest animal?", "Which planet is closest to the Sun?",
+    "What color do you get by mixing blue and yellow?", "How many centimeters are in a meter?",
+    "What is the capital of Germany?", "How many legs does an insect have?",
+    "What is the largest bone in the human body?", "What does HTML stand for?",
+)
+_EXTRA2_IME_STARTS = (
+    "I'm going to be", "Could you send me", "Thanks again for", "I hope you had a",
+    "We should probably", "Just checking in to", "I'll bring the", "Can't wait to see",
+    "The meeting starts at", "Did you get my", "I need to finish", "Would you like to",
+    "The store was out of", "Please remember to", "I'm happy to help with", "Let's grab lunch",
+    "The report is due", "I'll send you the", "We are looking for", "My phone is about to",
+    "The game starts at", "Have a great", "I'm sorry, but I", "The invoice for",
+    "Welcome to the team,", "We'll be closed on", "Your order has been", "I'm writing to ask",
+    "Can I borrow your", "The bus was", "I just finished", "Let me check with",
+    "Thanks for the quick", "We're almost out of", "I'll pick you up at", "Did you remember to",
+    "The class has been", "I love the", "What time does the", "Good night, and",
+)
+
+
 Keyed = list[tuple[DistillPrompt, str]]  # a prompt and the key its split is decided by
 
 
@@ -295,9 +372,19 @@ def _ime(starts) -> Keyed:
             for start in starts for name in _IME_NAMES]
 
 
-def _extra_prompts() -> Keyed:
-    return (_chat(_EXTRA_CHAT_TOPICS) + _code(_EXTRA_CODE_TASKS) + _lists(_EXTRA_LIST_SUBJECTS)
-            + _facts(_EXTRA_FACT_QUESTIONS) + _ime(_EXTRA_IME_STARTS))
+# Each extra split's (chat topics, code tasks, list subjects, fact questions, IME starts).
+_EXTRA_TABLES = {
+    "extra": (_EXTRA_CHAT_TOPICS, _EXTRA_CODE_TASKS, _EXTRA_LIST_SUBJECTS,
+              _EXTRA_FACT_QUESTIONS, _EXTRA_IME_STARTS),
+    "extra2": (_EXTRA2_CHAT_TOPICS, _EXTRA2_CODE_TASKS, _EXTRA2_LIST_SUBJECTS,
+               _EXTRA2_FACT_QUESTIONS, _EXTRA2_IME_STARTS),
+}
+EXTRA_SPLITS = tuple(_EXTRA_TABLES)
+
+
+def _extra_prompts(split: str) -> Keyed:
+    chat, code, lists, facts, ime = _EXTRA_TABLES[split]
+    return _chat(chat) + _code(code) + _lists(lists) + _facts(facts) + _ime(ime)
 
 
 def _topic_bucket(key: str) -> int:
@@ -326,7 +413,7 @@ def _split() -> dict[str, tuple[DistillPrompt, ...]]:
     from shared.prompts import CHAT_PROMPTS
 
     benchmark = set(CHAT_PROMPTS)
-    train, heldout, extra, seen = [], [], [], set()
+    train, heldout, seen = [], [], set()
     for prompt, key in _all_prompts():
         if prompt.text in seen:
             continue
@@ -336,23 +423,28 @@ def _split() -> dict[str, tuple[DistillPrompt, ...]]:
         elif prompt.text not in benchmark:
             train.append(prompt)
     heldout_keys = {key for _, key in _all_prompts() if _topic_bucket(key) in HELDOUT_BUCKETS}
-    for prompt, key in _extra_prompts():
-        if (prompt.text in seen or prompt.text in benchmark or key in heldout_keys
-                or _topic_bucket(key) in HELDOUT_BUCKETS):
-            continue
-        seen.add(prompt.text)
-        extra.append(prompt)
-    return {"train": tuple(train), "heldout": tuple(heldout), "extra": tuple(extra)}
+    out = {"train": tuple(train), "heldout": tuple(heldout)}
+    for split in EXTRA_SPLITS:  # in order: a later split skips what an earlier one has
+        extra = []
+        for prompt, key in _extra_prompts(split):
+            if (prompt.text in seen or prompt.text in benchmark or key in heldout_keys
+                    or _topic_bucket(key) in HELDOUT_BUCKETS):
+                continue
+            seen.add(prompt.text)
+            extra.append(prompt)
+        out[split] = tuple(extra)
+    return out
 
 
-SPLITS = ("train", "heldout", "extra")
+SPLITS = ("train", "heldout", *EXTRA_SPLITS)
 
 
-def prompt_split(name: Literal["train", "heldout", "extra"]) -> list[DistillPrompt]:
+def prompt_split(name: Literal["train", "heldout", "extra", "extra2"],
+                 ) -> list[DistillPrompt]:
     """A split's prompts, in a fixed order (deterministic across runs).
 
-    ``extra`` is a second training split on topics that neither ``train`` nor ``heldout``
-    has; ``heldout`` is the same whether or not it exists.
+    ``extra`` and ``extra2`` are further training splits on topics that no earlier split has;
+    ``heldout`` is the same whether or not they exist.
     """
     splits = _split()
     if name not in splits:

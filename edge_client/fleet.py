@@ -101,7 +101,6 @@ MAX_ATTEMPTS = 8
 RETRY_AFTER_DEFAULT_MS = 100.0
 BACKOFF_CAP_S = 5.0
 MAX_REOPENS = 8  # reopens / resumes in a row without a new token
-MAX_REQUESTS_PER_CLIENT = 100_000
 CLOSE_TIMEOUT_S = 5.0  # the server answers once the session's in-flight round is done
 WORKLOADS = ("chat", "ime", "mixed")
 MODES = ("spec", "baseline")
@@ -151,6 +150,7 @@ class FleetConfig:
     progress: bool = True
     warm_up: bool = True  # one uncounted request per kind before the window
     keep_outputs: bool = False  # put every request's output tokens in the result (tests)
+    max_requests: int = 100_000  # per client: the load ends at this count or the window's end
 
     def __post_init__(self) -> None:
         if not 1 <= self.clients <= 1024:
@@ -168,8 +168,10 @@ class FleetConfig:
             raise ValueError("replayed drafts need greedy decoding (temperature 0): a replayed "
                              "sample is not a fresh draw from its q, so sampling would not be "
                              "lossless")
-        if self.draft_len < 0 or self.chat_tokens < 1 or self.prompts < 1:
-            raise ValueError("draft_len must be >= 0, chat_tokens and prompts >= 1")
+        if (self.draft_len < 0 or self.chat_tokens < 1 or self.prompts < 1
+                or self.max_requests < 1):
+            raise ValueError("draft_len must be >= 0; chat_tokens, prompts and max_requests "
+                             ">= 1")
         if self.deadline_s <= 0 or self.ramp_s < 0:
             raise ValueError("deadline_s must be > 0 and ramp_s >= 0")
 
@@ -262,14 +264,14 @@ class Workload:
     def kind_of(self, name: str, client: int) -> str:
         return name if name != "mixed" else ("chat" if client % 2 == 0 else "ime")
 
-    def schedule(self, kind: str, client: int) -> Iterator[Request]:
-        """Client ``client``'s requests, in order, cycling (bounded by the caller)."""
+    def schedule(self, kind: str, client: int, count: int) -> Iterator[Request]:
+        """Client ``client``'s first ``count`` requests, in order, cycling."""
         if kind == "chat":
             order = [self.chat[(client + j) % len(self.chat)] for j in range(len(self.chat))]
         else:
             order = [r for j in range(len(self.ime))
                      for r in self.ime[(client + j) % len(self.ime)]]
-        for i in range(MAX_REQUESTS_PER_CLIENT):
+        for i in range(count):
             yield order[i % len(order)]
 
     def all_requests(self, name: str, clients: int) -> list[Request]:
@@ -904,7 +906,7 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
         link = DeviceLink(address, NetEm(prof, np.random.default_rng([config.seed, i, 1])),
                           config.deadline_s, end, rng, err)
         devices.append(Device(i, kind, config, link, limits, source,
-                              workload.schedule(kind, i), rng))
+                              workload.schedule(kind, i, config.max_requests), rng))
     tasks = [asyncio.ensure_future(d.run(config.ramp_s * i / config.clients))
              for i, d in enumerate(devices)]
     await _progress(config, tasks, devices, end)
@@ -924,7 +926,7 @@ async def _warm_up(address: str, config: FleetConfig, workload: Workload, limits
     set-up, the server's first forward of a shape) stay out of the window."""
     kinds = sorted({workload.kind_of(config.workload, i) for i in range(config.clients)})
     for kind in kinds:
-        request = next(workload.schedule(kind, 0))
+        request = next(workload.schedule(kind, 0, 1))
         request = dataclasses.replace(request, max_new_tokens=min(
             request.max_new_tokens, 2 * config.draft_len + 2))
         link = DeviceLink(address, NetEm(profile("none"), np.random.default_rng(0)),
@@ -1070,6 +1072,8 @@ def add_common_args(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline", type=float, default=30.0, help="per-call deadline, seconds")
+    p.add_argument("--max-requests", type=int, default=FleetConfig.max_requests,
+                   help="per client; the run ends when every client is done or at --duration")
     p.add_argument("--replay-cache", type=Path, default=None,
                    help="recorded drafts file (default: $EDGESPEC_CACHE/fleet-replay/...)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -1093,7 +1097,8 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
         mode=mode, drafts=args.drafts, draft_len=args.draft_len,
         adaptive=not args.no_adaptive, chat_tokens=args.chat_tokens,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
-        seed=args.seed, deadline_s=args.deadline, progress=not args.no_progress)
+        seed=args.seed, deadline_s=args.deadline, max_requests=args.max_requests,
+        progress=not args.no_progress)
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -166,8 +166,7 @@ class RoundBatcher:
 
     def _learn_cost(self, sessions: int, tokens: int, elapsed_ns: int) -> None:
         model = self.cost_model
-        model.observe(sessions, tokens, elapsed_ns / 1e9)
-        if model.fixed_ms is not None:
+        if model.observe(sessions, tokens, elapsed_ns / 1e9) and model.fixed_ms is not None:
             session_cost, token_cost = model.relative_costs()
             self.metrics.verify_fixed_seconds.set(model.fixed_ms / 1000)
             self.metrics.verify_session_cost.set(session_cost)

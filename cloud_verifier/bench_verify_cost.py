@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from cloud_verifier.draft_policy import expected_tokens
+from cloud_verifier.draft_policy import expected_tokens, fit_verify_cost
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_forward
 from cloud_verifier.target_model import load_target
@@ -99,18 +99,11 @@ def best_gain(costs: list[float], alpha: float) -> tuple[int, float]:
 def fit_costs(costs: dict[int, list[float]]) -> tuple[float, float, float]:
     """(a, s', t') of ms = a + s' * sessions + t' * tokens, least squares over the forwards of
     two or more tokens; ``costs[B][K]`` is the ms of B sessions x (K + 1) tokens."""
-    import numpy as np
-
-    rows, ms = [], []
-    for b, by_k in costs.items():
-        for k, c in enumerate(by_k):
-            if b * (k + 1) >= 2:
-                rows.append([1.0, b, b * (k + 1)])
-                ms.append(c)
-    if len(rows) < 3:
+    seen = [(b, b * (k + 1), c) for b, by_k in costs.items() for k, c in enumerate(by_k)
+            if b * (k + 1) >= 2]
+    if len(seen) < 3:
         raise ValueError("the fit needs at least three forwards of two or more tokens")
-    a, s, t = np.linalg.lstsq(np.array(rows), np.array(ms), rcond=None)[0]
-    return float(a), float(s), float(t)
+    return fit_verify_cost(*zip(*seen, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,14 +86,17 @@ class VerifyCostModel:
         self._relative = self.prior
         self._fixed_ms: float | None = None
 
-    def observe(self, sessions: int, tokens: int, seconds: float) -> None:
+    def observe(self, sessions: int, tokens: int, seconds: float) -> bool:
+        """Records one forward; True when this refitted the model."""
         if not self.fit or sessions < 1 or tokens < 1 or not seconds > 0:
-            return
+            return False
         self._seen.append((sessions, tokens, seconds * 1000.0))
         self._since_fit += 1
-        if self._since_fit >= self.refit_every:
-            self._since_fit = 0
-            self._refit()
+        if self._since_fit < self.refit_every:
+            return False
+        self._since_fit = 0
+        self._refit()
+        return True
 
     def relative_costs(self) -> tuple[float, float]:
         """(session cost, token cost), each relative to a forward's fixed cost."""
@@ -106,22 +109,34 @@ class VerifyCostModel:
 
     def _refit(self) -> None:
         seen = np.array(self._seen, dtype=np.float64)
-        s0, t0 = self.prior
-        shape = lambda b, n: 1.0 + s0 * b + t0 * n  # noqa: E731 - prior cost in units of a
-        # Scale of the prior: the fixed cost that best explains what was seen, given s0, t0.
-        f = shape(seen[:, 0], seen[:, 1])
-        a0 = float(f @ seen[:, 2] / (f @ f))
-        pb, pn = np.array(self._PRIOR_SHAPES, dtype=np.float64).T
-        rows = np.concatenate([np.column_stack([np.ones(len(seen)), seen[:, 0], seen[:, 1]]),
-                               np.column_stack([np.ones(len(pb)), pb, pn])])
-        y = np.concatenate([seen[:, 2], a0 * shape(pb, pn)])
-        w = np.sqrt(np.concatenate([np.ones(len(seen)),
-                                    np.full(len(pb), self.prior_weight / len(pb))]))
-        a, s, t = np.linalg.lstsq(rows * w[:, None], y * w, rcond=None)[0]
+        a, s, t = fit_verify_cost(seen[:, 0], seen[:, 1], seen[:, 2], self.prior,
+                                  self.prior_weight, self._PRIOR_SHAPES)
         if a <= 0:  # nothing sensible to normalise by; keep the last answer
             return
-        self._fixed_ms = float(a)
-        self._relative = (max(float(s / a), 0.0), max(float(t / a), 0.0))
+        self._fixed_ms = a
+        self._relative = (max(s / a, 0.0), max(t / a, 0.0))
+
+
+def fit_verify_cost(sessions, tokens, ms, prior: tuple[float, float] | None = None,
+                    prior_weight: float = 0.0, prior_shapes=()) -> tuple[float, float, float]:
+    """(a, s, t) in ms of ``ms = a + s * sessions + t * tokens``, weighted least squares over
+    the given forwards plus, with ``prior = (s0, t0)`` (relative to the fixed cost), the
+    pseudo-forwards ``prior_shapes`` (sessions, tokens) costed by the prior, scaled to the
+    forwards seen and weighted as ``prior_weight`` forwards in all."""
+    b, n, y = (np.asarray(v, dtype=np.float64) for v in (sessions, tokens, ms))
+    rows, w = np.column_stack([np.ones(len(b)), b, n]), np.ones(len(b))
+    if prior is not None and prior_weight > 0 and len(prior_shapes):
+        s0, t0 = prior
+        shape = lambda b, n: 1.0 + s0 * b + t0 * n  # noqa: E731 - prior cost in units of a
+        f = shape(b, n)
+        a0 = float(f @ y / (f @ f))  # the fixed cost that best explains y, given s0 and t0
+        pb, pn = np.array(prior_shapes, dtype=np.float64).T
+        rows = np.concatenate([rows, np.column_stack([np.ones(len(pb)), pb, pn])])
+        y = np.concatenate([y, a0 * shape(pb, pn)])
+        w = np.concatenate([w, np.full(len(pb), prior_weight / len(pb))])
+    sw = np.sqrt(w)
+    a, s, t = np.linalg.lstsq(rows * sw[:, None], y * sw, rcond=None)[0]
+    return float(a), float(s), float(t)
 
 
 class AcceptanceTracker:

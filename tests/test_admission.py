@@ -79,6 +79,8 @@ def test_verify_cost_model_without_fitting_or_data_is_the_prior():
     fresh = VerifyCostModel(session_cost=0.1, token_cost=0.2, refit_every=16)
     _observe(fresh, [(4, 20)] * 15, 100.0, 50.0, 50.0)
     assert fresh.relative_costs() == (0.1, 0.2)  # not refitted yet
+    assert fresh.observe(4, 20, 0.2) is True and fresh.fixed_ms is not None  # the 16th refits
+    assert fresh.observe(4, 20, 0.2) is False
     with pytest.raises(ValueError, match=">= 0"):
         VerifyCostModel(session_cost=-1.0)
 

@@ -29,9 +29,10 @@ SPAWN_READY_TIMEOUT_S = 300.0
 SCRAPE_EVERY_S = 0.5
 KV_METRIC = "edgespec_kv_cache_bytes"
 # The verifier's online fit of what a forward costs (cloud_verifier.draft_policy), last value.
-COST_METRICS = {"fixed_ms": "edgespec_verify_cost_fixed_seconds",
-                "session_cost": "edgespec_verify_cost_per_session_ratio",
-                "token_cost": "edgespec_verify_cost_per_token_ratio"}
+# The report's verify-cost fit: key -> (gauge, scale from the gauge's unit to the key's).
+COST_METRICS = {"fixed_ms": ("edgespec_verify_cost_fixed_seconds", 1000.0),
+                "session_cost": ("edgespec_verify_cost_per_session_ratio", 1.0),
+                "token_cost": ("edgespec_verify_cost_per_token_ratio", 1.0)}
 
 
 @dataclass
@@ -106,7 +107,7 @@ class _KVWatcher(threading.Thread):
 
     def scrape(self) -> None:
         try:
-            values = scrape_gauges(self.url, {KV_METRIC, *COST_METRICS.values()})
+            values = scrape_gauges(self.url, {KV_METRIC, *(m for m, _ in COST_METRICS.values())})
         except OSError:
             return  # not up yet, or shutting down
         r = self.report
@@ -114,10 +115,9 @@ class _KVWatcher(threading.Thread):
         if value is not None:
             r.scrapes += 1
             r.kv_peak_bytes = value if r.kv_peak_bytes is None else max(r.kv_peak_bytes, value)
-        fixed_s = values.get(COST_METRICS["fixed_ms"], 0.0)
-        if fixed_s > 0:  # 0 until the verifier's first fit
-            r.verify_cost_fit = {key: values[name] * (1000 if key == "fixed_ms" else 1)
-                                 for key, name in COST_METRICS.items() if name in values}
+        if values.get(COST_METRICS["fixed_ms"][0], 0.0) > 0:  # 0 until the verifier's first fit
+            r.verify_cost_fit = {key: values[name] * scale
+                                 for key, (name, scale) in COST_METRICS.items() if name in values}
 
 
 @contextlib.contextmanager

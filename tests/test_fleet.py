@@ -395,8 +395,9 @@ def test_bench_fleet_sweep_writes_capacity_and_plots(tiny_llama_pair, tmp_path):
     rc = main([
         "bench-fleet", "--embedded", "--target", str(tiny_llama_pair.target_dir),
         "--draft-dir", str(tiny_llama_pair.draft_dir), "--json", str(out), "--clients", "1",
-        "2", "--profiles", "wifi", "--duration", "1.5", "--chat-tokens", "12", "--prompts",
-        "2", "--replay-cache", str(tmp_path / "replay.json"), "--no-progress"])
+        "2", "--profiles", "wifi", "--duration", "1.0", "--repeats", "2", "--chat-tokens",
+        "12", "--prompts", "2", "--replay-cache", str(tmp_path / "replay.json"),
+        "--no-progress"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert set(data["capacity"]) == {"spec", "baseline"}
@@ -404,17 +405,43 @@ def test_bench_fleet_sweep_writes_capacity_and_plots(tiny_llama_pair, tmp_path):
     # Tiny models on loopback + 20 ms RTT: both client counts meet a 200 ms p95 TPOT.
     assert data["capacity"]["baseline"]["wifi"] == 2
     assert data["capacity_figures"]["baseline"]["wifi"]["clients"] == 2
-    assert len(data["runs"]) == 4
+    assert data["capacity_figures"]["baseline"]["wifi"]["windows"] == 2
+    assert data["repeats"] == 2 and len(data["runs"]) == 8
     # The modes alternate within a client count, so each comparison is taken close in time.
     assert [(r["clients"], r["mode"]) for r in data["runs"]] == [
-        (1, "spec"), (1, "baseline"), (2, "spec"), (2, "baseline")]
+        (1, "spec"), (1, "baseline"), (1, "spec"), (1, "baseline"),
+        (2, "spec"), (2, "baseline"), (2, "spec"), (2, "baseline")]
     rows = data["never_worse"]
-    assert [(r["profile"], r["clients"]) for r in rows] == [("wifi", 1), ("wifi", 2)]
-    for row, spec, base in zip(rows, data["runs"][0::2], data["runs"][1::2], strict=True):
-        assert row["ratio"] == pytest.approx(spec["aggregate"]["tokens_per_s"]
-                                             / base["aggregate"]["tokens_per_s"])
+    assert [(r["profile"], r["clients"], r["pairs"]) for r in rows] == [("wifi", 1, 2),
+                                                                        ("wifi", 2, 2)]
+    for i, row in enumerate(rows):
+        runs = data["runs"][4 * i: 4 * i + 4]
+        ratios = [s["aggregate"]["tokens_per_s"] / b["aggregate"]["tokens_per_s"]
+                  for s, b in (runs[0:2], runs[2:4])]
+        assert row["ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
+        assert (row["ratio_min"], row["ratio_max"]) == pytest.approx(sorted(ratios))
     for png in data["plots"].values():
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_points_are_medians_over_windows():
+    from edge_client.bench_fleet import capacity, points
+
+    def run(mode, clients, tok_s, p95, failed=0):
+        return {"mode": mode, "clients": clients, "profile": {"name": "4g"},
+                "aggregate": {"tokens_per_s": tok_s, "tpot_ms_p50": p95 / 2, "tpot_ms_p95": p95,
+                              "tpot_ms_p99": p95, "ttft_ms_p50": 1.0,
+                              "requests_failed": failed}}
+
+    runs = [run("spec", 1, 10, 100), run("spec", 1, 30, 150), run("spec", 1, 20, 900),
+            run("spec", 2, 40, 190), run("spec", 2, 50, 250), run("spec", 2, 45, 199),
+            run("spec", 4, 60, 150), run("spec", 4, 60, 150, failed=1), run("spec", 4, 60, 150)]
+    by = {p["clients"]: p for p in points(runs)}
+    assert by[1]["tokens_per_s"] == 20 and by[1]["tpot_ms_p95"] == 150 and by[1]["windows"] == 3
+    assert by[2]["tpot_ms_p95"] == 199 and by[4]["requests_failed"] == 1
+    counts, figures = capacity(runs, 200.0)
+    # One slow window does not sink a load; a failed request anywhere does.
+    assert counts == {"spec": {"4g": 2}} and figures["spec"]["4g"]["tokens_per_s"] == 45
 
 
 def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, tmp_path):

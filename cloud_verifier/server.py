@@ -143,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="local Hugging Face causal-LM checkpoint (default: SmolLM2-135M-Instruct "
                         "prepared by edgespec-prepare)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the target (default: torch's, one per core)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda when supported, float32 on cpu")
     p.add_argument("--host", default="127.0.0.1")
@@ -176,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     args = p.parse_args(argv)
     if args.verify_token_cost < 0 or args.verify_session_cost < 0:
         p.error("--verify-token-cost and --verify-session-cost must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     digests: frozenset[str] = frozenset()
     if args.api_keys_file is not None:
         keys = [k.strip() for k in args.api_keys_file.read_text().splitlines() if k.strip()]
@@ -209,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     asyncio.run(_serve(VerifierServer(target, config)))
     return 0

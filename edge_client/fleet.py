@@ -1054,6 +1054,8 @@ def add_common_args(p) -> None:
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="with --embedded/--spawn: the verifier's KV cache budget (default: "
                         "unbounded)")
+    p.add_argument("--verifier-threads", type=int, default=None,
+                   help="with --spawn: the verifier's torch threads (default: one per core)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help="ONNX draft directory; its tokenizer is used in both modes")
     p.add_argument("--workload", choices=WORKLOADS, default="chat")

@@ -40,6 +40,7 @@ class VerifierReport:
     """What a spawned verifier did during a run (None where not observed)."""
 
     spawned: bool
+    threads: int | None = None  # torch threads asked of a spawned verifier (None: its default)
     kv_budget_bytes: int | None = None
     kv_peak_bytes: float | None = None  # largest scraped value
     scrapes: int = 0
@@ -121,8 +122,8 @@ class _KVWatcher(threading.Thread):
 
 
 @contextlib.contextmanager
-def spawned_verifier(target: str | None, max_sessions: int,
-                     kv_budget_mb: float | None = None) -> Iterator[FleetVerifier]:
+def spawned_verifier(target: str | None, max_sessions: int, kv_budget_mb: float | None = None,
+                     threads: int | None = None) -> Iterator[FleetVerifier]:
     """``edgespec-verifier`` in a child process; watched while it runs, stopped on exit."""
     port, metrics_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1", "--port",
@@ -132,8 +133,10 @@ def spawned_verifier(target: str | None, max_sessions: int,
         cmd += ["--model", str(target)]
     if kv_budget_mb is not None:
         cmd += ["--kv-budget-mb", str(kv_budget_mb)]
-    report = VerifierReport(spawned=True, kv_budget_bytes=None if kv_budget_mb is None
-                            else int(kv_budget_mb * 2**20))
+    if threads:
+        cmd += ["--threads", str(threads)]
+    report = VerifierReport(spawned=True, threads=threads, kv_budget_bytes=None
+                            if kv_budget_mb is None else int(kv_budget_mb * 2**20))
     proc = subprocess.Popen(cmd)
     address = f"127.0.0.1:{port}"
     watcher = _KVWatcher(f"http://127.0.0.1:{metrics_port}/metrics", report)
@@ -171,7 +174,8 @@ def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
     max_sessions = args.max_sessions or max(64, 2 * clients)
     kv_budget_mb = getattr(args, "kv_budget_mb", None)
     if getattr(args, "spawn", False):
-        with spawned_verifier(args.target, max_sessions, kv_budget_mb) as verifier:
+        with spawned_verifier(args.target, max_sessions, kv_budget_mb,
+                              getattr(args, "verifier_threads", None)) as verifier:
             yield verifier
         return
     if not args.embedded:

@@ -364,7 +364,7 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
 
     out = tmp_path / "fleet.json"
     rc = main(["fleet", "--spawn", "--target", str(tiny_llama_pair.target_dir),
-               "--kv-budget-mb", "8",
+               "--kv-budget-mb", "8", "--verifier-threads", "1",
                "--draft-dir", str(tiny_llama_pair.draft_dir), "--clients", "2", "--duration",
                "1.5", "--profile", "5g", "--workload", "ime", "--mode", "spec", "--drafts",
                "replay", "--json", str(out), "--plot", str(tmp_path / "cdf.png"),
@@ -377,7 +377,7 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     # The spawned verifier was watched: its metrics scraped, its peak memory read, and it
     # stopped cleanly.
     v = res["verifier"]
-    assert v["spawned"] and v["exit_code"] == 0
+    assert v["spawned"] and v["exit_code"] == 0 and v["threads"] == 1
     assert v["scrapes"] > 0 and 0 < v["kv_peak_bytes"] <= v["kv_budget_bytes"] == 8 * 2**20
     assert v["kv_within_budget"] is True and v["peak_rss_mb"] > 10
     # ... including the verify-cost fit its draft-length suggestions came from.

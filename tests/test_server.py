@@ -367,3 +367,13 @@ def test_continue_rejects_bad_requests(stub):
     # The session is undisturbed.
     assert len(list(stub.Continue(pb.ContinueRequest(session_id=sid, round=0,
                                                      max_tokens=1)))) == 1
+
+
+def test_command_line_checks_its_numbers():
+    from cloud_verifier.server import parse_args
+
+    args, config = parse_args(["--threads", "1", "--kv-budget-mb", "2", "--port", "0"])
+    assert args.threads == 1 and config.kv_budget_bytes == 2 * 2**20
+    for bad in (["--threads", "0"], ["--verify-token-cost", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -127,12 +127,11 @@ def fit_verify_cost(sessions, tokens, ms, prior: tuple[float, float] | None = No
     rows, w = np.column_stack([np.ones(len(b)), b, n]), np.ones(len(b))
     if prior is not None and prior_weight > 0 and len(prior_shapes):
         s0, t0 = prior
-        shape = lambda b, n: 1.0 + s0 * b + t0 * n  # noqa: E731 - prior cost in units of a
-        f = shape(b, n)
+        f = 1.0 + s0 * b + t0 * n  # the prior's cost of each forward, in units of a
         a0 = float(f @ y / (f @ f))  # the fixed cost that best explains y, given s0 and t0
         pb, pn = np.array(prior_shapes, dtype=np.float64).T
         rows = np.concatenate([rows, np.column_stack([np.ones(len(pb)), pb, pn])])
-        y = np.concatenate([y, a0 * shape(pb, pn)])
+        y = np.concatenate([y, a0 * (1.0 + s0 * pb + t0 * pn)])
         w = np.concatenate([w, np.full(len(pb), prior_weight / len(pb))])
     sw = np.sqrt(w)
     a, s, t = np.linalg.lstsq(rows * sw[:, None], y * sw, rcond=None)[0]

@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 SPAWN_READY_TIMEOUT_S = 300.0
 SCRAPE_EVERY_S = 0.5
 KV_METRIC = "edgespec_kv_cache_bytes"
-# The verifier's online fit of what a forward costs (cloud_verifier.draft_policy), last value.
-# The report's verify-cost fit: key -> (gauge, scale from the gauge's unit to the key's).
+# The verifier's online fit of what a forward costs (cloud_verifier.draft_policy), as the
+# report names it: key -> (gauge, scale from the gauge's unit to the key's).
 COST_METRICS = {"fixed_ms": ("edgespec_verify_cost_fixed_seconds", 1000.0),
                 "session_cost": ("edgespec_verify_cost_per_session_ratio", 1.0),
                 "token_cost": ("edgespec_verify_cost_per_token_ratio", 1.0)}

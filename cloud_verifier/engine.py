@@ -45,6 +45,10 @@ class DraftRound:
     q: list[tuple[list[int], list[float]]] | None
 
 
+# A round without drafts: one plain target step (K = 0).
+NO_DRAFT = DraftRound([], None)
+
+
 @dataclass(frozen=True)
 class RoundOutcome:
     num_accepted: int

@@ -22,7 +22,7 @@ import grpc
 from cloud_verifier.batcher import RoundAbandoned, RoundBatcher, Ticket
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.draft_policy import PROBE_EVERY, VerifyCostModel, suggest_draft_len
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import NO_DRAFT, DraftRound, VerifierEngine
 from cloud_verifier.errors import (
     ContextTooLong,
     Draining,
@@ -35,6 +35,7 @@ from cloud_verifier.errors import (
     Unauthenticated,
     VerifierError,
 )
+from cloud_verifier.lookahead import Lookahead, fresh_drafts
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sessions import RoundResult, Session, SessionStore, short_id
 from cloud_verifier.wire import (
@@ -43,6 +44,7 @@ from cloud_verifier.wire import (
     draft_digest,
     parse_draft,
     parse_generate,
+    parse_lookahead,
     parse_open,
     parse_session_id,
     result_to_pb,
@@ -56,9 +58,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "edgespec.v1"
 # Back-off hint sent with RESOURCE_EXHAUSTED.
 RETRY_AFTER_MS = 200
-# A K = 0 round (Generate, Continue), identified like an empty Verify draft so that a client
-# may retry a missed one either way.
-_NO_DRAFT = DraftRound([], None)
+# A K = 0 round (Generate, Continue) is identified like an empty Verify draft so that a
+# client may retry a missed one either way.
 _NO_DRAFT_DIGEST = draft_digest(pb.Draft())
 
 _STATUS = {
@@ -221,7 +222,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 session = self._create_session(parse_generate(
                     request, self.limits, frozenset(self.info.eos_token_ids)), owner)
                 for round_no in itertools.count():
-                    result = await self._round(session, round_no, _NO_DRAFT, _NO_DRAFT_DIGEST,
+                    result = await self._round(session, round_no, NO_DRAFT, _NO_DRAFT_DIGEST,
                                                False, follow_up=True)
                     yield pb.GenerateResponse(
                         token_ids=[result.next_token], committed_length=result.committed_length,
@@ -245,11 +246,65 @@ class VerifierService(pb_grpc.VerifierServicer):
         if request.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1")
         for round_no in range(request.round, request.round + request.max_tokens):
-            result = result_to_pb(await self._round(session, round_no, _NO_DRAFT,
+            result = result_to_pb(await self._round(session, round_no, NO_DRAFT,
                                                     _NO_DRAFT_DIGEST, False, follow_up=True))
             yield result
             if ends_stream(request, result):
                 return
+
+    async def Lookahead(self, request_iterator, context):
+        """A speculative session decoded back to back, as Generate does, while the client's
+        lookahead drafts stream in; each forward verifies what of the latest is still fresh."""
+        session: Session | None = None
+        reader: asyncio.Task | None = None
+        try:
+            async with _statuses(self, context):
+                owner = self._caller(context)
+                requests = aiter(request_iterator)
+                first = await anext(requests, None)
+                if first is None or first.WhichOneof("kind") != "open":
+                    raise InvalidRequest("the first message on a Lookahead stream must be open")
+                params = parse_open(first.open, self.limits, frozenset(self.info.eos_token_ids))
+                session = self._create_session(params, owner)
+                # The latest lookahead; an open's first_draft is the first one.
+                latest: list[Lookahead | None] = [
+                    None if params.first_draft is None
+                    else Lookahead(len(params.prompt), params.first_draft)]
+                reader = self._spawn(self._read_lookaheads(requests, session, latest))
+                k = self.config.max_draft_len
+                for round_no in itertools.count():
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()
+                    room = self.engine.max_context - len(session.committed) - 1
+                    draft = fresh_drafts(latest[0], session.committed, min(k, room))
+                    before = len(session.committed)
+                    # No round of this stream is ever retried, so no digest identifies one.
+                    result = await self._round(session, round_no, draft, b"", False,
+                                               follow_up=True)
+                    k = result.suggested_draft_len
+                    tokens = draft.tokens[:result.num_accepted] + [result.next_token]
+                    yield pb.LookaheadStep(
+                        token_ids=tokens[:result.committed_length - before],
+                        num_drafted=len(draft.tokens), num_accepted=result.num_accepted,
+                        committed_length=result.committed_length, finished=result.finished,
+                        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
+                        suggested_draft_len=result.suggested_draft_len)
+                    if result.finished:
+                        break
+        finally:
+            if reader is not None:
+                reader.cancel()
+            if session is not None and not session.finished:
+                self._spawn(self._close_when_idle(session.id, session.owner))
+
+    async def _read_lookaheads(self, requests, session: Session,
+                               latest: list[Lookahead | None]) -> None:
+        async for request in requests:
+            if request.WhichOneof("kind") != "lookahead":
+                raise InvalidRequest("a Lookahead stream carries one open message, then only "
+                                     "lookahead messages")
+            latest[0] = parse_lookahead(request.lookahead, self.limits, session.prompt_len,
+                                        len(session.committed))
 
     # -- shared bodies ----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from cloud_verifier.engine import DraftRound
 from cloud_verifier.errors import ContextTooLong, InvalidRequest
+from cloud_verifier.lookahead import Lookahead
 from cloud_verifier.sessions import RoundResult, is_well_formed_session_id
 from shared.pb import verifier_pb2 as pb
 from shared.sampling import SamplingParams
@@ -155,3 +156,13 @@ def parse_generate(msg: pb.GenerateRequest, limits: Limits,
         prompt_token_ids=msg.prompt_token_ids, sampling=msg.sampling,
         max_new_tokens=msg.max_new_tokens, stop_token_ids=msg.stop_token_ids,
         ignore_eos=msg.ignore_eos), limits, default_stop_ids)
+
+
+def parse_lookahead(msg: pb.LookaheadDraft, limits: Limits, prompt_len: int,
+                    committed_len: int) -> Lookahead:
+    """A lookahead of a session whose prompt and committed lengths are these right now."""
+    if not prompt_len <= msg.base_length <= committed_len:
+        raise InvalidRequest(f"lookahead.base_length {msg.base_length} must be in "
+                             f"[{prompt_len}, {committed_len}]: from the prompt length to "
+                             "the committed length streamed so far")
+    return Lookahead(int(msg.base_length), parse_draft(msg.draft, limits))

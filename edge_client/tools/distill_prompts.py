@@ -345,6 +345,93 @@ _EXTRA2_IME_STARTS = (
 )
 
 
+# --- a third round of extra training topics (added for draft v6) ------------------------------
+
+_EXTRA3_CHAT_TOPICS = (
+    "the Eiffel Tower", "the Statue of Liberty", "Mount Everest", "the Sahara", "the Nile",
+    "the Pacific Ocean", "Antarctica", "the Arctic", "islands", "rivers", "mountains", "caves",
+    "fossils", "crystals", "gold", "diamonds", "iron", "copper", "salt", "sand", "clay", "glass",
+    "plastic", "paper", "cotton", "wool", "silk", "leather", "rubber", "concrete", "steel",
+    "bridges", "tunnels", "skyscrapers", "dams", "canals", "railways", "subways", "elevators",
+    "escalators", "windmills", "water pipes", "sewers", "power plants", "the electric grid",
+    "satellites", "rockets", "telescopes", "microscopes", "thermometers", "compasses", "maps",
+    "GPS", "calendars", "time zones", "leap years", "the seasons", "the equator", "latitude",
+    "weather forecasts", "clouds", "fog", "snow", "hail", "lightning", "wind", "humidity",
+    "air pressure", "sound waves", "echoes", "colors", "mirrors", "lenses", "shadows", "heat",
+    "friction", "energy", "atoms", "molecules", "acids and bases", "chemical reactions", "rust",
+    "fire", "boiling water", "freezing", "evaporation", "condensation", "cells", "muscles",
+    "bones", "the brain", "the lungs", "the stomach", "the skin", "teeth", "blood", "hormones",
+    "genes", "twins", "growing up", "aging", "childhood", "teenagers", "grandparents",
+    "family traditions", "birthdays", "weddings", "holidays", "New Year's resolutions",
+    "gift giving", "thank-you notes", "manners", "apologizing", "listening", "friendship",
+    "neighbors", "roommates", "pets and allergies", "adopting a cat", "training a puppy",
+    "aquariums", "bird watching", "hiking", "fishing", "sailing", "swimming", "cycling",
+    "skiing", "surfing", "tennis", "basketball", "baseball", "cricket", "golf", "rugby",
+    "boxing", "martial arts", "rock climbing", "skateboarding", "bowling", "table tennis",
+    "video games", "esports", "streaming services", "social media", "online shopping",
+    "online privacy", "passwords", "spam email", "phishing", "smartphones", "apps",
+    "screen time", "digital photos", "cloud storage", "open source software", "spreadsheets",
+    "databases", "web design", "websites", "APIs", "robots", "self-driving cars", "drones",
+    "virtual reality", "quantum computers", "semiconductors", "fiber optics", "radio waves",
+    "bread", "cheese", "yogurt", "eggs", "chocolate", "tea", "honey", "sugar", "spices",
+    "soup", "noodles", "beans", "nuts", "berries", "oranges", "carrots", "vegetarian meals",
+    "cooking for one", "grocery lists", "kitchen safety", "leftovers", "fermentation",
+    "banks", "credit cards", "debt", "insurance", "renting an apartment", "buying a car",
+    "small businesses", "marketing", "advertising", "customer service", "startups",
+    "freelancing", "resumes", "cover letters", "performance reviews", "meetings",
+    "deadlines", "leadership", "mentoring", "feedback", "career changes", "retirement",
+    "museums", "libraries", "zoos", "theme parks", "beaches", "national parks", "road trips",
+    "train travel", "hotels", "passports", "jet lag", "souvenirs", "learning to drive",
+    "recipes", "poetry", "fairy tales", "myths", "fables", "libraries in the digital age",
+    "painting", "drawing", "knitting", "woodworking", "candle making", "home repairs",
+    "cleaning the house", "laundry", "decluttering", "interior design", "composting",
+    "bird feeders", "vegetable gardens", "lawns", "houseflies", "mosquitoes", "earthworms",
+)
+_EXTRA3_CODE_TASKS = (
+    "checks whether a number is prime", "counts the vowels in a string",
+    "finds the longest word in a sentence", "removes duplicates from a list",
+    "converts Celsius to Fahrenheit", "computes the average of a list",
+    "checks whether two strings are anagrams", "flattens a nested list",
+    "capitalizes the first letter of each word", "finds the maximum value in a dictionary",
+    "generates the first n Fibonacci numbers", "counts the words in a file",
+)
+_EXTRA3_LIST_SUBJECTS = (
+    "European rivers", "kitchen spices", "breakfast foods", "ocean animals", "musical genres",
+    "programming languages", "things to pack for the beach", "ways to reduce stress",
+    "hobbies for retirees", "vegetables that grow fast", "famous painters", "team sports",
+    "ways to be more productive", "things to do in winter", "birthday party ideas",
+    "cheap date ideas", "useful phone apps", "types of bread", "ways to save energy at home",
+    "mammals that live in water", "board games for families", "tips for better sleep",
+    "famous inventions", "types of weather", "healthy snacks", "ways to learn faster",
+    "wild cats", "things to say in a job interview", "cleaning supplies",
+    "South American countries",
+)
+_EXTRA3_FACT_QUESTIONS = (
+    "How many minutes are in an hour?", "What is the capital of Italy?",
+    "Who painted the Mona Lisa?", "What is the freezing point of water in Celsius?",
+    "How many continents are there?", "What is the chemical symbol for gold?",
+    "What is the largest ocean?", "How many legs does a spider have?",
+    "What is the capital of Australia?", "Who discovered penicillin?",
+    "What is the square root of 64?", "How many days are in February in a normal year?",
+    "What is the smallest prime number?", "Which planet is known as the Red Planet?",
+    "What is the boiling point of water in Fahrenheit?", "How many strings does a violin have?",
+    "What is the capital of Spain?", "What gas do plants take in?",
+    "How many teeth does an adult human have?", "What does CPU stand for?",
+)
+_EXTRA3_IME_STARTS = (
+    "I'll be there in", "Do you want to", "Sorry for the late", "I was wondering if",
+    "Thank you so much for", "Can we move the", "I'm running a bit", "Let me know if you",
+    "I think we should", "The train leaves at", "Please call me when", "I got the",
+    "We need to talk about", "Is it okay if I", "I'll let you know", "Happy birthday! I hope",
+    "The party is on", "I can't make it to", "Don't forget to bring", "How was your",
+    "I'm at the", "The kids need to", "Could you please check", "I've attached the",
+    "We just landed in", "My internet is", "I'll have the report", "Are you free on",
+    "Good morning! Just a", "The appointment is at", "I really appreciate", "Could you help me",
+    "We ran out of", "I'm heading home now", "Let's meet at the", "I'll be working from",
+    "The price of the", "Thanks, that sounds", "I'm not sure if", "See you at the",
+)
+
+
 Keyed = list[tuple[DistillPrompt, str]]  # a prompt and the key its split is decided by
 
 
@@ -378,6 +465,8 @@ _EXTRA_TABLES = {
               _EXTRA_FACT_QUESTIONS, _EXTRA_IME_STARTS),
     "extra2": (_EXTRA2_CHAT_TOPICS, _EXTRA2_CODE_TASKS, _EXTRA2_LIST_SUBJECTS,
                _EXTRA2_FACT_QUESTIONS, _EXTRA2_IME_STARTS),
+    "extra3": (_EXTRA3_CHAT_TOPICS, _EXTRA3_CODE_TASKS, _EXTRA3_LIST_SUBJECTS,
+               _EXTRA3_FACT_QUESTIONS, _EXTRA3_IME_STARTS),
 }
 EXTRA_SPLITS = tuple(_EXTRA_TABLES)
 
@@ -439,11 +528,12 @@ def _split() -> dict[str, tuple[DistillPrompt, ...]]:
 SPLITS = ("train", "heldout", *EXTRA_SPLITS)
 
 
-def prompt_split(name: Literal["train", "heldout", "extra", "extra2"],
+def prompt_split(name: Literal["train", "heldout", "extra", "extra2", "extra3"],
                  ) -> list[DistillPrompt]:
     """A split's prompts, in a fixed order (deterministic across runs).
 
-    ``extra`` and ``extra2`` are further training splits on topics that no earlier split has;
+    ``extra``, ``extra2`` and ``extra3`` are further training splits on topics that no earlier
+    split has;
     ``heldout`` is the same whether or not they exist.
     """
     splits = _split()

@@ -199,3 +199,37 @@ class ContinueRequest(_message.Message):
     max_tokens: int
     stop_when_drafting_pays: bool
     def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_when_drafting_pays: _Optional[bool] = ...) -> None: ...
+
+class LookaheadDraft(_message.Message):
+    __slots__ = ("base_length", "draft")
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    base_length: int
+    draft: Draft
+    def __init__(self, base_length: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+
+class LookaheadRequest(_message.Message):
+    __slots__ = ("open", "lookahead")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSessionRequest
+    lookahead: LookaheadDraft
+    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ...) -> None: ...
+
+class LookaheadStep(_message.Message):
+    __slots__ = ("token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "timing", "suggested_draft_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
+    num_accepted: int
+    committed_length: int
+    finished: bool
+    timing: Timing
+    suggested_draft_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class VerifierStub:
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
                 _registered_method=True)
+        self.Lookahead = channel.stream_stream(
+                '/edgespec.v1.Verifier/Lookahead',
+                request_serializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.SerializeToString,
+                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -133,6 +138,25 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookahead(self, request_iterator, context):
+        """Speculative decoding with no round trip in the loop: the lookahead stream. The first
+        message opens a session (an OpenSessionRequest without first_draft). The server then
+        decodes the session forward after forward, in the same continuous batching as Generate,
+        and streams what each forward commits. Meanwhile the client streams lookahead drafts:
+        tokens drafted after the first base_length committed tokens, with their q. Each forward
+        takes the latest lookahead received; when its first tokens equal what has been committed
+        after base_length, the rest of it (at most the suggested draft length, and what fits the
+        context) is verified in that forward with lossless speculative sampling; otherwise the
+        forward decodes one token. A forward never commits fewer tokens than a plain decoding
+        step, and the network only decides how many drafts are still fresh when they arrive.
+        The stream ends when the generation finishes, and the session closes when the stream
+        ends; half-closing the request stream only means "no more lookaheads". Errors end the
+        stream with a status (NOT_FOUND "evicted": reopen with the committed context as prompt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +194,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Continue,
                     request_deserializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.SerializeToString,
+            ),
+            'Lookahead': grpc.stream_stream_rpc_method_handler(
+                    servicer.Lookahead,
+                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.FromString,
+                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +390,33 @@ class Verifier:
             '/edgespec.v1.Verifier/Continue',
             edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookahead(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/edgespec.v1.Verifier/Lookahead',
+            edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.SerializeToString,
+            edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,237 @@
+"""The Lookahead stream: which drafts a forward takes (pure), that the stream's output is the
+target's (greedy over real gRPC; sampling as a law, simulated), and its bad-input statuses."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.engine import NO_DRAFT, DraftRound
+from cloud_verifier.lookahead import Lookahead, fresh_drafts
+from cloud_verifier.server import EmbeddedVerifier
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+from shared.verification import verify
+from tests.test_server import GREEDY, PROMPT, code_of, reference_greedy
+
+# -- which drafts a forward takes ---------------------------------------------------------------
+
+Q = [([5, 6], [0.6, 0.4]), ([7], [1.0]), ([8, 9], [0.5, 0.5]), ([1], [1.0])]
+
+
+def test_fresh_drafts_take_what_continues_the_committed_text():
+    look = Lookahead(3, DraftRound([5, 7, 8, 1], Q))
+    # Nothing committed since the base: the drafts from the start, cut at k.
+    assert fresh_drafts(look, [0, 0, 0], 2) == DraftRound([5, 7], Q[:2])
+    # Two committed since, equal to the first two drafts: the rest, with their own q.
+    assert fresh_drafts(look, [0, 0, 0, 5, 7], 8) == DraftRound([8, 1], Q[2:])
+    assert fresh_drafts(look, [0, 0, 0, 5, 7], 1) == DraftRound([8], Q[2:3])
+    point = Lookahead(3, DraftRound([5, 7, 8], None))
+    assert fresh_drafts(point, [0, 0, 0, 5], 4) == DraftRound([7, 8], None)
+
+
+@pytest.mark.parametrize("committed, k", [
+    ([0, 0, 0, 5, 6], 4),  # the second committed token differs from the second draft: stale
+    ([0, 0, 0, 6], 4),  # the first differs
+    ([0, 0, 0, 5, 7, 8, 1], 4),  # every draft already committed: nothing left
+    ([0, 0, 0, 5, 7, 8, 1, 4], 4),  # committed past the drafts
+    ([0, 0, 0], 0),  # drafting does not pay right now
+])
+def test_stale_or_used_up_lookahead_gives_no_drafts(committed, k):
+    assert fresh_drafts(Lookahead(3, DraftRound([5, 7, 8, 1], Q)), committed, k) is NO_DRAFT
+    assert fresh_drafts(None, committed, 4) is NO_DRAFT
+
+
+# -- sampling stays lossless: a simulated stream ------------------------------------------------
+#
+# Target and draft are Markov chains over V = 3 tokens (p and q depend on the previous token),
+# so every law is exact. A "client" drafts lookaheads of 3 tokens by sampling q after the
+# committed text it last saw, which lags the server's by 0 or 1 forwards at random (a
+# lookahead that arrives in time, or one forward late); the "server" verifies what
+# fresh_drafts takes (K <= 2) with shared.verification.verify, or decodes one token. The first
+# three generated tokens must follow the target's law: N = 8,000 streams, 27 outcomes, each
+# count within 5 sigma + 5 of N * p (a misaligned q, e.g. q of the wrong position, moves
+# several bins by far more).
+
+V = 3
+P_CHAIN = np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.3, 0.5, 0.2]])
+Q_CHAIN = np.array([[0.3, 0.4, 0.3], [0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
+N_STREAMS = 8_000
+
+
+def _simulate_stream(rng: np.random.Generator, gen: torch.Generator) -> tuple[int, ...]:
+    committed = [0]
+    seen = [0]  # what the client knew when it drafted the latest lookahead
+    latest = None
+    while len(committed) < 4:
+        if latest is None or rng.random() < 0.6:  # a new lookahead arrives in time
+            seen = list(committed) if rng.random() < 0.5 else list(seen)
+            tokens, q = [], []
+            prev = seen[-1]
+            for _ in range(3):
+                t = int(rng.choice(V, p=Q_CHAIN[prev]))
+                tokens.append(t)
+                q.append((list(range(V)), Q_CHAIN[prev].tolist()))
+                prev = t
+            latest = Lookahead(len(seen), DraftRound(tokens, q))
+        draft = fresh_drafts(latest, committed, 2)
+        rows, prev = [], committed[-1]
+        for t in draft.tokens + [None]:
+            rows.append(P_CHAIN[prev])
+            prev = t
+        p = torch.tensor(np.array(rows))
+        qd = torch.tensor(np.array([probs for _, probs in draft.q])) if draft.q else None
+        n, nxt = verify(draft.tokens, qd, p, gen)
+        committed += draft.tokens[:n] + [nxt]
+        seen = seen if len(seen) <= len(committed) else committed[:]
+    return tuple(committed[1:4])
+
+
+def test_lookahead_stream_keeps_sampling_lossless():
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(7)
+    counts = np.zeros((V, V, V), dtype=np.int64)
+    for _ in range(N_STREAMS):
+        counts[_simulate_stream(rng, gen)] += 1
+    law = np.einsum("a,ab,bc->abc", P_CHAIN[0], P_CHAIN, P_CHAIN)
+    expected = N_STREAMS * law
+    bound = 5 * np.sqrt(expected * (1 - law)) + 5
+    assert np.all(np.abs(counts - expected) <= bound), (counts, expected.round())
+
+
+# -- over real gRPC, tiny random target --------------------------------------------------------
+
+
+class Feed:
+    """A request stream the test keeps writing to while it reads the replies."""
+
+    def __init__(self, *first) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        for message in first:
+            self.put(message)
+
+    def put(self, message) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def __iter__(self):
+        while (message := self._queue.get()) is not None:
+            yield message
+
+
+def opening(max_new_tokens: int, first_draft: list[int] | None = None) -> pb.LookaheadRequest:
+    request = pb.OpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY, ignore_eos=True,
+                                    max_new_tokens=max_new_tokens)
+    if first_draft is not None:
+        request.first_draft.CopyFrom(pb.Draft(token_ids=first_draft))
+    return pb.LookaheadRequest(open=request)
+
+
+def lookahead(base: int, tokens: list[int]) -> pb.LookaheadRequest:
+    return pb.LookaheadRequest(lookahead=pb.LookaheadDraft(
+        base_length=base, draft=pb.Draft(token_ids=tokens)))
+
+
+@pytest.fixture()
+def stub(target):
+    with EmbeddedVerifier(target, VerifierConfig(port=0, max_draft_len=8, max_sessions=2,
+                                                 session_ttl_s=30)) as v, \
+            grpc.insecure_channel(v.address) as channel:
+        yield pb_grpc.VerifierStub(channel)
+
+
+def test_greedy_lookahead_stream_is_plain_greedy_decoding(stub, target):
+    """The client answers every step with a lookahead of the next 6 greedy tokens after
+    what it has; whether a lookahead arrives in time or not, the text is the target's."""
+    n = 30
+    want = reference_greedy(target, PROMPT, n + 8)
+    feed = Feed(opening(n, first_draft=want[:4]))
+    got, steps = [], []
+    for step in stub.Lookahead(iter(feed)):
+        got += step.token_ids
+        steps.append(step)
+        assert step.committed_length == len(PROMPT) + len(got)
+        assert step.num_accepted <= step.num_drafted and step.timing.forward_ns > 0
+        if not step.finished:
+            feed.put(lookahead(len(PROMPT) + len(got), want[len(got):len(got) + 6]))
+    feed.close()
+    assert got == want[:n]
+    assert steps[-1].finished and not any(s.finished for s in steps[:-1])
+    # Round 0 takes the open's first draft: all 4 right, plus the bonus token.
+    assert (steps[0].num_drafted, steps[0].num_accepted, len(steps[0].token_ids)) == (4, 4, 5)
+    # Every verified lookahead token was right, so each was accepted.
+    assert all(s.num_accepted == s.num_drafted for s in steps)
+    assert len(steps) < n  # fewer forwards than tokens
+
+
+def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(stub, target):
+    """The first draft is right then wrong: round 0 accepts 1 and corrects the second; the
+    lookahead (that first draft) no longer continues the text, so no later round uses it."""
+    want = reference_greedy(target, PROMPT, 8)
+    wrong = (want[1] + 1) % target.vocab_size
+    steps = list(stub.Lookahead(iter([opening(8, first_draft=[want[0], wrong, 3])])))
+    assert (steps[0].num_drafted, steps[0].num_accepted) == (3, 1)
+    assert [s.num_drafted for s in steps[1:]] == [0] * (len(steps) - 1)
+    assert [t for s in steps for t in s.token_ids] == want
+
+
+def test_a_lookahead_sent_early_serves_once_the_text_catches_up(stub, target):
+    """A lookahead of 8 right tokens from the prompt, sent with the open: whatever rounds ran
+    before it arrived, the later ones verify the part still ahead of the committed text."""
+    want = reference_greedy(target, PROMPT, 12)
+    steps = list(stub.Lookahead(iter([opening(12, first_draft=want[:1]),
+                                      lookahead(len(PROMPT), want[:8])])))
+    assert [t for s in steps for t in s.token_ids] == want
+    assert sum(s.num_drafted for s in steps[1:]) > 0
+    assert all(s.num_accepted == s.num_drafted for s in steps)
+
+
+@pytest.mark.parametrize("messages, status", [
+    ([], grpc.StatusCode.INVALID_ARGUMENT),  # nothing at all
+    ([lookahead(len(PROMPT), [5])], grpc.StatusCode.INVALID_ARGUMENT),  # no open first
+    ([opening(40), opening(40)], grpc.StatusCode.INVALID_ARGUMENT),  # a second open
+    ([opening(40), lookahead(len(PROMPT) - 1, [5])], grpc.StatusCode.INVALID_ARGUMENT),
+    ([opening(40), lookahead(len(PROMPT) + 50, [5])], grpc.StatusCode.INVALID_ARGUMENT),
+    ([opening(40), lookahead(len(PROMPT), [10_000])], grpc.StatusCode.INVALID_ARGUMENT),
+    ([opening(40), lookahead(len(PROMPT), list(range(3, 12)))],  # 9 > max_draft_len 8
+     grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_lookahead_streams_end_with_a_status_and_free_the_session(stub, target, messages,
+                                                                       status):
+    assert code_of(lambda: list(stub.Lookahead(iter(messages)))) == status
+    # Both session slots (max_sessions 2) free up again, and the server serves on.
+    want = reference_greedy(target, PROMPT, 4)
+    for _ in range(10):
+        try:
+            outs = [list(stub.Lookahead(iter([opening(4)]))) for _ in range(2)]
+            break
+        except grpc.RpcError as err:  # the failed stream's session closes asynchronously
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            time.sleep(0.1)
+    assert all([t for s in out for t in s.token_ids] == want for out in outs)
+
+
+def test_cancelling_the_stream_closes_the_session(stub, target):
+    feed = Feed(opening(0))  # 0: until the context is full
+    call = stub.Lookahead(iter(feed))
+    next(call), next(call)
+    call.cancel()
+    feed.close()
+    stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT))  # the free slot
+    deadline = time.monotonic() + 5
+    while True:  # the other slot frees up once the cancelled session has closed
+        try:
+            stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT))
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the cancelled stream's session stayed open"
+            time.sleep(0.05)

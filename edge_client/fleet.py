@@ -104,6 +104,9 @@ MAX_REOPENS = 8  # reopens / resumes in a row without a new token
 CLOSE_TIMEOUT_S = 5.0  # the server answers once the session's in-flight round is done
 WORKLOADS = ("chat", "ime", "mixed")
 MODES = ("spec", "baseline")
+# How a spec client talks to the verifier: a Verify round trip per round (falling back to
+# Continue streams when drafting does not pay), or one Lookahead stream per generation.
+PROTOCOLS = ("rounds", "lookahead")
 DRAFT_SOURCES = ("model", "replay")
 PERCENTILES = (50, 95, 99)
 REPLAY_FORMAT = 2  # bump when Recording changes
@@ -136,6 +139,7 @@ class FleetConfig:
     workload: str = "chat"
     mode: str = "spec"
     drafts: str = "replay"
+    protocol: str = "rounds"
     draft_len: int = 4
     # Spec clients pick drafting or Continue by measured rate (edge_client.rate_chooser);
     # off: draft whenever the server's suggestion allows.
@@ -164,6 +168,8 @@ class FleetConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.drafts not in DRAFT_SOURCES:
             raise ValueError(f"drafts must be one of {', '.join(DRAFT_SOURCES)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         if self.drafts == "replay" and self.temperature != 0 and self.mode == "spec":
             raise ValueError("replayed drafts need greedy decoding (temperature 0): a replayed "
                              "sample is not a fresh draw from its q, so sampling would not be "
@@ -421,6 +427,79 @@ class DeviceLink:
             return
 
 
+    async def duplex(self, method: str, first, outbox: Outbox
+                     ) -> AsyncIterator[tuple[float, object]]:
+        """A bidirectional stream (Lookahead): ``first``, then whatever ``outbox`` is given,
+        each over the emulated uplink; yields each reply at its emulated delivery time.
+        Retried on RESOURCE_EXHAUSTED while nothing arrived."""
+        for attempt in range(MAX_ATTEMPTS):
+            self.pending.round_trips += 1
+            timeout = max(0.0, self.window_end - time.perf_counter()) + self.deadline_s
+            call = getattr(self.stub, method)(timeout=timeout)
+            inbox: asyncio.Queue = asyncio.Queue()
+
+            async def send(call=call) -> None:
+                message = first
+                while True:
+                    await self._up(message)
+                    await call.write(message)
+                    message = await outbox.get()
+
+            async def receive(call=call, inbox=inbox) -> None:
+                # Read as soon as gRPC has a message, so that delivery times are exact.
+                try:
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        size = msg.ByteSize()
+                        self.pending.bytes_down += size
+                        inbox.put_nowait(((self.netem.down.deliver_at(time.perf_counter(), size)
+                                           if self.netem.enabled else time.perf_counter()), msg))
+                    inbox.put_nowait(None)
+                except grpc.aio.AioRpcError as err:
+                    inbox.put_nowait(err)
+
+            tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(receive())]
+            received = False
+            try:
+                while (item := await inbox.get()) is not None:
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        raise item
+                    await self._until(item[0])
+                    received = True
+                    yield item
+            except grpc.aio.AioRpcError as err:
+                await self._down(len((err.details() or "").encode()))
+                self.errors[err.code().name] += 1
+                if received or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
+                        or attempt + 1 == MAX_ATTEMPTS:
+                    raise
+                await self.backoff(attempt, _retry_after_ms(err))
+                continue
+            finally:
+                call.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            return
+
+
+class Outbox:
+    """The next message for a stream's uplink: a newer one replaces one not yet sent."""
+
+    def __init__(self) -> None:
+        self._message = None
+        self._ready = asyncio.Event()
+
+    def put(self, message) -> None:
+        self._message = message
+        self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        self._ready.clear()
+        message, self._message = self._message, None
+        return message
+
+
 # -- drafts -----------------------------------------------------------------------------------
 
 
@@ -623,7 +702,9 @@ class Device:
                                    seed=(self.config.seed * 1_000_003 + self.index * 10_007 + n)
                                    % 2**63)
             try:
-                if self.config.mode == "spec":
+                if self.config.mode == "spec" and self.config.protocol == "lookahead":
+                    await self._lookahead(request, params, record)
+                elif self.config.mode == "spec":
                     await self._spec(request, params, record)
                 else:
                     await self._baseline(request, params, record)
@@ -707,6 +788,46 @@ class Device:
                     await asyncio.wait_for(self.link.stub.CloseSession(
                         pb.CloseSessionRequest(session_id=session_id),
                         timeout=CLOSE_TIMEOUT_S), CLOSE_TIMEOUT_S)
+
+    async def _lookahead(self, request: Request, params: SessionParams,
+                         record: RequestRecord) -> None:
+        """One Lookahead stream per generation (reopened over the committed text after an
+        eviction): the server decodes back to back; after every step the client drafts
+        ahead of what it has and sends that lookahead."""
+        assert self.drafts is not None
+        rounds = GenerationRounds(list(request.prompt_ids), params, self.limits,
+                                  self.config.draft_len)
+        propose = self.drafts.start(request, np.random.default_rng(params.seed))
+        stalled = 0
+        while not rounds.finished:
+            before = len(rounds.committed)
+            first = await propose(rounds.committed, rounds.lookahead_len(opening=True))
+            outbox = Outbox()
+            try:
+                async with contextlib.aclosing(self.link.duplex(
+                        "Lookahead", pb.LookaheadRequest(open=rounds.open_request(first)),
+                        outbox)) as stream:
+                    async for at, step in stream:
+                        new = rounds.apply_step(step)
+                        record.output.extend(new)
+                        self._event(record, at, len(new), 1, step.timing)
+                        record.drafted += step.num_drafted
+                        record.accepted += step.num_accepted
+                        if not rounds.finished and rounds.lookahead_len():
+                            outbox.put(rounds.lookahead_request(
+                                await propose(rounds.committed, rounds.lookahead_len())))
+                if not rounds.finished:
+                    raise ProtocolError("the Lookahead stream ended before the generation "
+                                        "finished")
+            except grpc.aio.AioRpcError as err:
+                progressed = len(rounds.committed) > before
+                stalled = 0 if progressed else stalled + 1
+                exhausted = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and progressed
+                if not (_is_evicted(err) or exhausted) or stalled >= MAX_REOPENS:
+                    raise
+                record.reopens += 1
+                if exhausted:  # the KV budget was full for its next forward: back off
+                    await self.link.backoff(0, _retry_after_ms(err))
 
     def _apply(self, record: RequestRecord, rounds: GenerationRounds, proposal: Proposal,
                result: pb.RoundResult, at: float) -> int:
@@ -823,6 +944,7 @@ def _summarize(records: list[RequestRecord], window_s: float,
         "bytes_per_token": per_token(up + down),
         "bytes_up_per_token": per_token(up),
         "bytes_down_per_token": per_token(down),
+        "drafted_per_token": per_token(drafted),
         "acceptance_rate": accepted / drafted if drafted else None,
         # Share of the tokens that came from Continue streams (spec mode).
         "continued_share": per_token(sum(r.continued for r in records)),
@@ -868,6 +990,8 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
     book = None
     recorded = 0
     k = min(config.draft_len, limits.max_draft_len)
+    if config.protocol == "lookahead":  # GenerationRounds.lookahead_len
+        k = min(2 * config.draft_len + 1, limits.max_draft_len)
     if config.mode == "spec" and config.drafts == "replay":
         identity = {"format": REPLAY_FORMAT, "target": info.target_model,
                     "tokenizer": info.tokenizer_fingerprint,
@@ -996,9 +1120,11 @@ def _report(address: str, config: FleetConfig, info: pb.GetInfoResponse,
         "workload": config.workload,
         "mode": config.mode,
         "drafts": config.drafts if config.mode == "spec" else None,
+        "protocol": config.protocol if config.mode == "spec" else None,
         "replay_recorded_requests": recorded,
         "draft_len": config.draft_len,
-        "adaptive": config.adaptive if config.mode == "spec" else None,
+        "adaptive": (config.adaptive if config.mode == "spec" and config.protocol == "rounds"
+                     else None),
         "temperature": config.temperature,
         "chat_tokens": config.chat_tokens,
         "address": address,
@@ -1062,6 +1188,10 @@ def add_common_args(p) -> None:
     p.add_argument("--drafts", choices=DRAFT_SOURCES, default="replay",
                    help="spec mode: run the ONNX draft on each client, or replay drafts "
                         "recorded once from it (greedy only; keeps edge CPU out of the run)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="rounds",
+                   help="spec mode: a Verify round trip per round (with Continue streams when "
+                        "drafting does not pay), or one Lookahead stream per generation (the "
+                        "server decodes back to back; the client streams drafts ahead)")
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
     p.add_argument("--no-adaptive", action="store_true",
                    help="spec clients draft whenever the server's suggestion allows, instead "
@@ -1096,7 +1226,7 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
                      duration_s: float) -> FleetConfig:
     return FleetConfig(
         clients=clients, duration_s=duration_s, profile=profile_name, workload=args.workload,
-        mode=mode, drafts=args.drafts, draft_len=args.draft_len,
+        mode=mode, drafts=args.drafts, protocol=args.protocol, draft_len=args.draft_len,
         adaptive=not args.no_adaptive, chat_tokens=args.chat_tokens,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
         seed=args.seed, deadline_s=args.deadline, max_requests=args.max_requests,

@@ -153,6 +153,32 @@ class GenerationRounds:
         if self.chooser is not None:
             self.chooser.observe(mode, tokens, seconds)
 
+    def lookahead_len(self, opening: bool = False) -> int:
+        """Drafts for a Lookahead stream's next lookahead: 2K + 1 for the round's K (the
+        server takes K a forward; the rest covers what it commits while the lookahead is on
+        its way), or K when it opens the session (its first round verifies them at once)."""
+        k = self.next_k()
+        room = min(self.limits.max_draft_len, self.remaining - 1,
+                   self.limits.max_context - len(self.committed) - 1)
+        return max(0, min(k if opening else 2 * k + 1, room))
+
+    def lookahead_request(self, proposal: Proposal) -> pb.LookaheadRequest:
+        return pb.LookaheadRequest(lookahead=pb.LookaheadDraft(
+            base_length=len(self.committed), draft=draft_to_pb(proposal)))
+
+    def apply_step(self, step: pb.LookaheadStep) -> list[int]:
+        """Commits what one forward of a Lookahead stream committed; returns those tokens."""
+        if self.finished:
+            raise ProtocolError("a step arrived after the generation finished")
+        new = list(step.token_ids)
+        if step.num_accepted > step.num_drafted \
+                or any(not 0 <= t < self.limits.vocab_size for t in new):
+            raise ProtocolError(f"step accepts {step.num_accepted} of {step.num_drafted} "
+                                f"drafts and commits {new}")
+        self._commit(new, step.committed_length, step.finished)
+        self.suggested = step.suggested_draft_len
+        return new
+
     def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
         """Commits d_1..d_n + the next token (cut where the server says it finished);
         returns the new tokens."""
@@ -167,16 +193,19 @@ class GenerationRounds:
                                 f"{result.next_token}")
         new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
                                                            - len(self.committed)]
-        if len(self.committed) + len(new) != result.committed_length or not new:
-            raise ProtocolError(f"reply says committed length {result.committed_length}, "
-                                f"the client has {len(self.committed)} + {len(new)}")
-        self.committed.extend(new)
-        if self.remaining < 0 or (self.remaining == 0 and not result.finished):
-            raise ProtocolError(f"{len(self.generated)} tokens generated of "
-                                f"{self.params.max_new_tokens} and the reply says finished="
-                                f"{result.finished}")
+        self._commit(new, result.committed_length, result.finished)
         self.round_no += 1
         self.suggested = (result.suggested_draft_len
                           if result.HasField("suggested_draft_len") else None)
-        self.finished = result.finished
         return new
+
+    def _commit(self, new: list[int], committed_length: int, finished: bool) -> None:
+        if len(self.committed) + len(new) != committed_length or not new:
+            raise ProtocolError(f"reply says committed length {committed_length}, "
+                                f"the client has {len(self.committed)} + {len(new)}")
+        self.committed.extend(new)
+        if self.remaining < 0 or (self.remaining == 0 and not finished):
+            raise ProtocolError(f"{len(self.generated)} tokens generated of "
+                                f"{self.params.max_new_tokens} and the reply says finished="
+                                f"{finished}")
+        self.finished = finished

@@ -271,6 +271,28 @@ def test_saturated_server_decodes_in_session_without_a_round_trip_per_token(
     assert all(got[k] == want[k] for k in got.keys() & want.keys())
 
 
+def test_lookahead_protocol_commits_the_baseline_text_on_one_stream_per_request(
+        verifier, tiny_llama_pair, tmp_path):
+    """Spec clients on Lookahead streams, replayed and live drafts: the baseline's greedy
+    text, one round trip per request, at most one forward per token."""
+    kw = {"clients": 2, "workload": "mixed", "profile": "wifi", "max_requests": 3,
+          "duration_s": 60.0}
+    base = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, mode="baseline", **kw)
+    want = completed_outputs(base)
+    for drafts in ("replay", "model"):
+        res = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, drafts=drafts,
+                    protocol="lookahead", **kw)
+        check_result(res, 2)
+        a = res["aggregate"]
+        assert res["protocol"] == "lookahead" and a["requests_completed"] == 6
+        assert a["round_trips_per_token"] == pytest.approx(6 / a["tokens"])
+        assert a["target_forwards_per_token"] <= 1.0
+        assert a["drafted_per_token"] > 0
+        got = completed_outputs(res)
+        assert got == want
+    assert a["draft_s"] > 0  # the model run drafted on the client
+
+
 class MeddlingProxy(pb_grpc.VerifierServicer):
     """Forwards to a real verifier, and misbehaves on cue like a loaded server would:
     evicts the first session on its second Verify, answers the first OpenSession with
@@ -282,6 +304,7 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
         self.opens = 0
         self.verifies = 0
         self.evicted = 0
+        self.streams = 0
         self.draft_lens: list[int] = []
 
     async def GetInfo(self, request, context):
@@ -320,12 +343,35 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
             msg.suggested_draft_len = 1
             yield msg
 
+    async def Lookahead(self, request_iterator, context):
+        """The first stream is refused (RESOURCE_EXHAUSTED), the second evicted after two
+        steps; every step suggests K = 1."""
+        self.streams += 1
+        if self.streams == 1:  # refused after reading the open, as the verifier does
+            await anext(aiter(request_iterator))
+            context.set_trailing_metadata((("retry-after-ms", "20"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many rounds queued")
+        call = self.stub.Lookahead(request_iterator)
+        steps = 0
+        async for step in call:
+            self.draft_lens.append(step.num_drafted)
+            step.suggested_draft_len = 1
+            yield step
+            steps += 1
+            if self.streams == 2 and steps == 2:
+                call.cancel()
+                self.evicted += 1
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    "session abcd1234... was evicted to free memory; reopen it")
 
-def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_pair, tmp_path):
+
+@pytest.mark.parametrize("protocol", ["rounds", "lookahead"])
+def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_pair, tmp_path,
+                                                           protocol):
     # Bounded by count (every prompt once), not by time, and drafting whenever the server
     # suggests K > 0 (not by measured rate), so a slow machine runs the same rounds.
     kw = {"clients": 1, "workload": "chat", "profile": "none", "duration_s": 120.0,
-          "draft_len": 3, "max_requests": 4, "adaptive": False}
+          "draft_len": 3, "max_requests": 4, "adaptive": False, "protocol": protocol}
     want = completed_outputs(fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path,
                                    **kw))
 
@@ -353,8 +399,8 @@ def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_
     got = completed_outputs(res)
     assert len(got) == len(want) == 4 and a["requests_completed"] == 4
     assert got == want
-    # After the first reply every round follows the suggestion (K <= 1).
-    assert max(proxy.draft_lens) <= 1
+    if protocol == "rounds":  # after the first reply every round follows the suggestion
+        assert max(proxy.draft_lens) <= 1
 
 
 def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):

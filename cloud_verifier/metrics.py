@@ -53,6 +53,11 @@ class VerifierMetrics:
         self.tokens_per_round = Histogram("edgespec_tokens_per_round",
                                           "Tokens committed per verification round.",
                                           buckets=(1, 2, 3, 4, 5, 6, 8, 12, 17), registry=r)
+        self.lookahead_forwards = Counter(
+            "edgespec_lookahead_forwards",
+            "Forwards of Lookahead streams, by what the latest lookahead gave: fresh (drafts "
+            "verified), stale (it no longer continued the text, or was used up), none (none "
+            "received yet, or drafting did not pay).", ["lookahead"], registry=r)
         self.evictions = Counter("edgespec_session_evictions",
                                  "Sessions evicted, by reason.", ["reason"], registry=r)
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",

@@ -277,6 +277,9 @@ class VerifierService(pb_grpc.VerifierServicer):
                         raise reader.exception()
                     room = self.engine.max_context - len(session.committed) - 1
                     draft = fresh_drafts(latest[0], session.committed, min(k, room))
+                    self.metrics.lookahead_forwards.labels(
+                        "fresh" if draft.tokens else
+                        "none" if latest[0] is None or min(k, room) <= 0 else "stale").inc()
                     before = len(session.committed)
                     # No round of this stream is ever retried, so no digest identifies one.
                     result = await self._round(session, round_no, draft, b"", False,

@@ -141,11 +141,21 @@ def lookahead(base: int, tokens: list[int]) -> pb.LookaheadRequest:
 
 
 @pytest.fixture()
-def stub(target):
+def verifier(target):
     with EmbeddedVerifier(target, VerifierConfig(port=0, max_draft_len=8, max_sessions=2,
-                                                 session_ttl_s=30)) as v, \
-            grpc.insecure_channel(v.address) as channel:
+                                                 session_ttl_s=30)) as v:
+        yield v
+
+
+@pytest.fixture()
+def stub(verifier):
+    with grpc.insecure_channel(verifier.address) as channel:
         yield pb_grpc.VerifierStub(channel)
+
+
+def lookahead_forwards(verifier) -> dict[str, float]:
+    counter = verifier.server.metrics.lookahead_forwards
+    return {kind: counter.labels(kind)._value.get() for kind in ("fresh", "stale", "none")}
 
 
 def test_greedy_lookahead_stream_is_plain_greedy_decoding(stub, target):
@@ -172,7 +182,7 @@ def test_greedy_lookahead_stream_is_plain_greedy_decoding(stub, target):
     assert len(steps) < n  # fewer forwards than tokens
 
 
-def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(stub, target):
+def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(verifier, stub, target):
     """The first draft is right then wrong: round 0 accepts 1 and corrects the second; the
     lookahead (that first draft) no longer continues the text, so no later round uses it."""
     want = reference_greedy(target, PROMPT, 8)
@@ -181,6 +191,9 @@ def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(stub, target)
     assert (steps[0].num_drafted, steps[0].num_accepted) == (3, 1)
     assert [s.num_drafted for s in steps[1:]] == [0] * (len(steps) - 1)
     assert [t for s in steps for t in s.token_ids] == want
+    # The metric tells fresh from stale (or none, where drafting did not pay).
+    seen = lookahead_forwards(verifier)
+    assert seen["fresh"] == 1 and seen["stale"] + seen["none"] == len(steps) - 1
 
 
 def test_a_lookahead_sent_early_serves_once_the_text_catches_up(stub, target):

@@ -38,7 +38,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="bearer key for an authenticated verifier (env EDGESPEC_API_KEY)")
     p.add_argument("--rtt-ms", type=float, default=0.0,
                    help="inject this round-trip time into every call (network emulation)")
-    p.add_argument("--transport", choices=["stream", "unary"], default="stream")
+    p.add_argument("--transport", choices=["stream", "unary", "lookahead"], default="stream",
+                   help="Verify rounds on one Session stream or as unary calls, or one "
+                        "Lookahead stream (the verifier decodes back to back while the client "
+                        "streams drafts ahead: no round trip per round)")
 
 
 @contextlib.contextmanager
@@ -65,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json else sys.stdout
     with verifier_address(args) as address, EdgeClient(
             address, draft_dir, api_key=args.api_key, rtt_ms=args.rtt_ms,
-            use_stream=args.transport == "stream") as client:
+            protocol=args.transport) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         for piece in generation.text():
             out.write(piece)

@@ -33,8 +33,18 @@ from edge_client.rounds import (  # noqa: F401 - ProtocolError is part of this m
     SessionParams,
 )
 from edge_client.tokenizer import EdgeTokenizer, TextStream
-from edge_client.transport import StreamRounds, Transport, UnaryRounds, WireStats
+from edge_client.transport import (
+    LookaheadStream,
+    StreamRounds,
+    Transport,
+    UnaryRounds,
+    WireStats,
+)
 from shared.pb import verifier_pb2 as pb
+
+# How a generation talks to the verifier: Verify rounds on one Session stream or as unary
+# calls, or one Lookahead stream (edge_client.transport).
+PROTOCOLS = ("stream", "unary", "lookahead")
 
 
 class IncompatibleVerifier(RuntimeError):
@@ -108,12 +118,14 @@ class GenerationStats:
 
 class EdgeClient:
     def __init__(self, address: str, draft_dir: str | Path, api_key: str | None = None,
-                 rtt_ms: float = 0.0, use_stream: bool = True, timeout_s: float = 60.0,
+                 rtt_ms: float = 0.0, protocol: str = "stream", timeout_s: float = 60.0,
                  intra_op_threads: int | None = None) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         self.tokenizer = EdgeTokenizer(draft_dir)
         self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
         self.transport = Transport(address, api_key=api_key, rtt_ms=rtt_ms, timeout_s=timeout_s)
-        self.use_stream = use_stream
+        self.protocol = protocol
         # Measured rates of drafting vs Continue on this connection, across generations.
         self.chooser = RateChooser()
         self.info = self.transport.info()
@@ -172,14 +184,12 @@ class Generation:
                 yield piece
 
     def __iter__(self) -> Iterator[list[int]]:
-        cfg, client, stats = self.config, self.client, self.stats
+        cfg, client = self.config, self.client
         started = time.perf_counter()
         drafter = make_drafter(
             cfg.drafter, client.model,
             DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_support),
             np.random.default_rng(cfg.seed))
-        rounds = (StreamRounds if client.use_stream else UnaryRounds)(client.transport,
-                                                                       self.wire)
         state = GenerationRounds(
             self.prompt_ids,
             SessionParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -188,6 +198,14 @@ class Generation:
             ServerLimits.from_info(client.info), cfg.draft_len,
             follow_suggestion=cfg.follow_suggested_draft_len,
             chooser=client.chooser if cfg.follow_suggested_draft_len else None)
+        if client.protocol == "lookahead":
+            try:
+                yield from self._lookahead(drafter, state)
+            finally:
+                self._finish(started)
+            return
+        rounds = (StreamRounds if client.protocol == "stream" else UnaryRounds)(
+            client.transport, self.wire)
         try:
             proposal = self._propose(drafter, state)
             opened = rounds.open(state.open_request(proposal))
@@ -208,31 +226,58 @@ class Generation:
                 state.observe(SPEC, n, time.perf_counter() - t0)
         finally:
             rounds.end()
-            stats.round_trips = self.wire.round_trips
-            stats.bytes_up, stats.bytes_down = self.wire.bytes_up, self.wire.bytes_down
-            stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
-            stats.wall_s = time.perf_counter() - started
+            self._finish(started)
+
+    def _lookahead(self, drafter: Drafter, state: GenerationRounds) -> Iterator[list[int]]:
+        """The server decodes back to back; after each step, draft ahead and send it."""
+        stream = LookaheadStream(self.client.transport, self.wire, state.open_request(
+            self._propose(drafter, state, state.lookahead_len(opening=True))))
+        try:
+            for step in stream:
+                new = state.apply_step(step)
+                self.token_ids.extend(new)
+                self._account(step.num_drafted, step.num_accepted, len(new), 1, step.timing)
+                yield new
+                if not state.finished and state.lookahead_len():
+                    stream.send(state.lookahead_request(
+                        self._propose(drafter, state, state.lookahead_len())))
+            if not state.finished:
+                raise ProtocolError("the Lookahead stream ended before the generation "
+                                    "finished")
+        finally:
+            stream.end()
+
+    def _finish(self, started: float) -> None:
+        stats = self.stats
+        stats.round_trips = self.wire.round_trips
+        stats.bytes_up, stats.bytes_down = self.wire.bytes_up, self.wire.bytes_down
+        stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
+        stats.wall_s = time.perf_counter() - started
 
     def _apply(self, state: GenerationRounds, proposal: Proposal,
                result: pb.RoundResult) -> Iterator[list[int]]:
         """Applies one round's result and yields its new tokens; returns how many."""
         new = state.apply(proposal, result)
         self.token_ids.extend(new)
-        self._account(result, len(proposal.tokens), len(new))
+        self._account(len(proposal.tokens), result.num_accepted, len(new),
+                      result.target_forwards, result.timing)
         yield new
         return len(new)
 
-    def _propose(self, drafter: Drafter, state: GenerationRounds) -> Proposal:
+    def _propose(self, drafter: Drafter, state: GenerationRounds,
+                 k: int | None = None) -> Proposal:
+        """``k`` drafts after the committed text (default: the next round's K)."""
         t0 = time.perf_counter()
-        proposal = drafter.propose(state.committed, state.next_k())
+        proposal = drafter.propose(state.committed, state.next_k() if k is None else k)
         self.stats.draft_s += time.perf_counter() - t0
         return proposal
 
-    def _account(self, result: pb.RoundResult, k: int, emitted: int) -> None:
+    def _account(self, drafted: int, accepted: int, emitted: int, forwards: int,
+                 timing: pb.Timing) -> None:
         s = self.stats
         s.rounds += 1
-        s.drafted += k
-        s.accepted += result.num_accepted
+        s.drafted += drafted
+        s.accepted += accepted
         s.new_tokens += emitted
-        s.target_forwards += result.target_forwards
-        s.verify_s += (result.timing.queue_ns + result.timing.forward_ns) / 1e9
+        s.target_forwards += forwards
+        s.verify_s += (timing.queue_ns + timing.forward_ns) / 1e9

@@ -1,15 +1,18 @@
 """The client side of the gRPC protocol: one channel, per-call deadlines, byte and time
 accounting, and an optional injected network delay (to measure a WAN on loopback).
 
-Two ways to carry a session: ``UnaryRounds`` (OpenSession / Verify calls, where a lost
-reply is retried with the same round number and answered idempotently) and
-``StreamRounds`` (one bidirectional Session stream, no per-round call set-up).
+Three ways to carry a session: ``UnaryRounds`` (OpenSession / Verify calls, where a lost
+reply is retried with the same round number and answered idempotently), ``StreamRounds``
+(one bidirectional Session stream, no per-round call set-up), and ``LookaheadStream`` (one
+Lookahead stream: the server decodes back to back and the client streams drafts ahead, no
+round trip per round).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,3 +180,59 @@ class StreamRounds:
     def end(self) -> None:
         self._requests.put(None)
         self._replies.cancel()
+
+
+class LookaheadStream:
+    """A generation on one Lookahead stream: iterate it for the steps the server commits,
+    and ``send`` each new lookahead (it goes out at once; nothing waits for a reply).
+
+    With an injected RTT, each message up and each step down is delayed by half of it
+    without holding up the others (a step is yielded half an RTT after it arrived)."""
+
+    def __init__(self, transport: Transport, stats: WireStats,
+                 opening: pb.OpenSessionRequest) -> None:
+        self._t = transport
+        self._stats = stats
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = time.perf_counter()
+        stats.round_trips += 1
+        self.send(pb.LookaheadRequest(open=opening))
+        self._steps = transport.stub.Lookahead(iter(self._requests.get, None),
+                                               timeout=transport.timeout_s,
+                                               metadata=transport.metadata)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name="lookahead-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def send(self, request: pb.LookaheadRequest) -> None:
+        self._stats.bytes_up += request.ByteSize()
+        if self._t.rtt_s:
+            threading.Timer(self._t.rtt_s / 2, self._requests.put, (request,)).start()
+        else:
+            self._requests.put(request)
+
+    def _read(self) -> None:
+        try:
+            for step in self._steps:
+                self._inbox.put((time.perf_counter() + self._t.rtt_s / 2, step))
+            self._inbox.put(None)
+        except grpc.RpcError as err:
+            self._inbox.put(err)
+
+    def __iter__(self) -> Iterator[pb.LookaheadStep]:
+        try:
+            while (item := self._inbox.get()) is not None:
+                if isinstance(item, grpc.RpcError):
+                    raise item
+                at, step = item
+                if (wait := at - time.perf_counter()) > 0:
+                    time.sleep(wait)
+                self._stats.bytes_down += step.ByteSize()
+                yield step
+        finally:
+            self._stats.call_s += time.perf_counter() - self._started
+
+    def end(self) -> None:
+        self._requests.put(None)
+        self._steps.cancel()

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -51,23 +52,41 @@ def test_edge_runtime_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("protocol", ["stream", "unary", "lookahead"])
 @pytest.mark.parametrize("draft_len", [1, 4])
-def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, use_stream,
+def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, protocol,
                                       draft_len):
     want = hf_greedy(target, PROMPT, 40)
-    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, use_stream=use_stream) as c:
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol=protocol) as c:
         gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=40, draft_len=draft_len,
                                                   ignore_eos=True))
         chunks = list(gen)
     assert gen.token_ids == want
     assert [t for chunk in chunks for t in chunk] == want
     s = gen.stats
-    # The first round rides on OpenSession and the server closes the session itself.
-    assert s.round_trips == s.rounds == s.target_forwards
+    if protocol == "lookahead":  # one stream for the whole generation
+        assert s.round_trips == 1 and s.rounds == s.target_forwards <= 40
+    else:  # the first round rides on OpenSession; the server closes the session itself
+        assert s.round_trips == s.rounds == s.target_forwards
     assert s.new_tokens == 40
     assert 0 <= s.accepted <= s.drafted
     assert s.bytes_up > 0 and s.bytes_down > 0
+
+
+def test_lookahead_with_an_injected_rtt_keeps_the_output(verifier, tiny_llama_pair, target):
+    """60 ms RTT: every lookahead goes up and every step comes down half of it late, so the
+    first token takes a whole RTT and some lookaheads arrive stale; the text is unchanged."""
+    want = hf_greedy(target, PROMPT, 24)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, rtt_ms=60,
+                    protocol="lookahead") as c:
+        t0 = time.perf_counter()
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=24, ignore_eos=True))
+        chunks = iter(gen)
+        first = next(chunks)
+        first_s = time.perf_counter() - t0
+        rest = [t for chunk in chunks for t in chunk]
+    assert first + rest == want and gen.token_ids == want
+    assert first_s >= 0.06 and gen.stats.round_trips == 1
 
 
 def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llama_pair,
@@ -83,13 +102,13 @@ def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llam
     assert s.round_trips == 2 and s.rounds == s.target_forwards == 20 and s.drafted == 0
 
 
-@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+@pytest.mark.parametrize("protocol", ["stream", "unary"])
 def test_adaptive_client_mixes_drafting_and_continue_and_keeps_the_output(
-        verifier, tiny_llama_pair, target, use_stream):
+        verifier, tiny_llama_pair, target, protocol):
     """follow_suggested_draft_len: the client measures drafting, then Continue, and picks by
     rate; greedy output is the target's whichever it picks."""
     want = hf_greedy(target, PROMPT, 30)
-    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, use_stream=use_stream) as c:
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol=protocol) as c:
         config = GenerationConfig(max_new_tokens=30, draft_len=3, ignore_eos=True,
                                   follow_suggested_draft_len=True)
         for _ in range(2):  # the second generation starts from the first one's rates

@@ -1,15 +1,17 @@
-"""``edge-client bench``: the same prompts through four decoders, side by side in one run.
+"""``edge-client bench``: the same prompts through six decoders, side by side in one run.
 
 (a) the target alone, transformers greedy ``generate``;
 (b) transformers assisted generation (``assistant_model``) with the same draft weights in
     PyTorch;
-(c) edgespec: ONNX draft on the client, verifier on a loopback port;
-(d) edgespec with an injected round-trip time (50 ms by default).
+(c) edgespec: ONNX draft on the client, Verify rounds to a verifier on a loopback port;
+(d) the same with an injected round-trip time (50 ms by default);
+(e), (f) as (c), (d) on a Lookahead stream (the verifier decodes back to back while the
+    client streams drafts ahead).
 
-All four run greedy, so (b), (c) and (d) must reproduce (a) token for token; the report says
-how many prompts matched. Target forwards are counted with a forward hook on the target for
-(a) and (b), and from the verifier's per-round ``target_forwards`` for (c) and (d). This is an
-offline tool: it imports torch.
+All run greedy, so (b) to (f) must reproduce (a) token for token; the report says how many
+prompts matched. Target forwards are counted with a forward hook on the target for (a) and
+(b), and from the verifier's per-round ``target_forwards`` for the rest. The client's draft
+shares this machine's cores with the verifier. This is an offline tool: it imports torch.
 """
 
 from __future__ import annotations
@@ -101,12 +103,13 @@ def _hf_case(name: str, target, prompts: list[list[int]], new_tokens: int, count
 
 
 def _edgespec_case(name: str, address: str, draft_dir: Path, prompts: list[list[int]],
-                   new_tokens: int, draft_len: int, rtt_ms: float, counter) -> CaseResult:
+                   new_tokens: int, draft_len: int, rtt_ms: float, counter,
+                   protocol: str = "stream") -> CaseResult:
     from edge_client.client import EdgeClient, GenerationConfig
 
     result = CaseResult(name, round_trips=0, accepted=0, drafted=0, bytes_total=0)
     config = GenerationConfig(max_new_tokens=new_tokens, draft_len=draft_len)
-    with EdgeClient(address, draft_dir, rtt_ms=rtt_ms) as client:
+    with EdgeClient(address, draft_dir, rtt_ms=rtt_ms, protocol=protocol) as client:
         for ids in prompts:
             gen = client.generate(ids, config)
             list(gen)
@@ -188,6 +191,13 @@ def run_bench(args: argparse.Namespace) -> int:
         log.info("(d) edgespec with %g ms RTT", args.rtt_ms)
         cases.append(_edgespec_case(f"d_edgespec_rtt{args.rtt_ms:g}ms", verifier.address,
                                     draft_dir, prompts, n, k, args.rtt_ms, counter))
+        log.info("(e) edgespec lookahead over loopback")
+        cases.append(_edgespec_case("e_lookahead_loopback", verifier.address, draft_dir,
+                                    prompts, n, k, 0.0, counter, protocol="lookahead"))
+        log.info("(f) edgespec lookahead with %g ms RTT", args.rtt_ms)
+        cases.append(_edgespec_case(f"f_lookahead_rtt{args.rtt_ms:g}ms", verifier.address,
+                                    draft_dir, prompts, n, k, args.rtt_ms, counter,
+                                    protocol="lookahead"))
 
     reference = cases[0]
     report = {

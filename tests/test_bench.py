@@ -21,12 +21,15 @@ def test_bench_cases_reproduce_the_target(tiny_llama_pair, tmp_path):
     report = run(tmp_path, tiny_llama_pair, "--draft-pt-dir", str(tiny_llama_pair.draft_pt_dir))
     cases = report["cases"]
     assert list(cases) == ["a_target_generate", "b_hf_assisted", "c_edgespec_loopback",
-                           "d_edgespec_rtt10ms"]
+                           "d_edgespec_rtt10ms", "e_lookahead_loopback", "f_lookahead_rtt10ms"]
     for name, c in cases.items():
         assert c["new_tokens"] > 0 and c["tokens_per_s"] > 0
         if name != "a_target_generate":
             assert c["outputs_identical_to_target"] == 2, name
     assert cases["c_edgespec_loopback"]["round_trips_per_token"] <= 1
+    # One stream per prompt: 2 round trips in all.
+    assert cases["e_lookahead_loopback"]["round_trips_per_token"] == \
+        2 / cases["e_lookahead_loopback"]["new_tokens"]
     assert report["config"]["assistant_dir"] == str(tiny_llama_pair.draft_pt_dir)
 
 

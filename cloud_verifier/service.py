@@ -409,6 +409,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 forward_ns=outcome.forward_ns, suggested_draft_len=suggested)
             session.last_result = result
             session.last_draft_digest = digest
+            self.store.touch(session)
             session.next_round = round_no + 1
             self._observe(draft, outcome, ticket.queue_ns)
             if outcome.finished or close:

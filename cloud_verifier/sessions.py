@@ -145,6 +145,10 @@ class SessionStore:
         session.last_used = self._clock()
         return session
 
+    def touch(self, session: Session) -> None:
+        """A round ran: the session is in use, not idle (streams never look it up)."""
+        session.last_used = self._clock()
+
     def close(self, session_id: str) -> Session | None:
         session = self._sessions.pop(session_id, None)
         if session is not None:

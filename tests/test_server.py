@@ -240,6 +240,20 @@ def test_expired_session_is_not_found(target):
         assert code_of(stub.Verify, req) == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_streaming_session_is_not_idle(target):
+    """Generate never looks its session up by id; its rounds keep it in use, so a generation
+    longer than the TTL is not expired halfway (the sweep runs every TTL / 4)."""
+    config = VerifierConfig(port=0, session_ttl_s=0.1)
+    with EmbeddedVerifier(target, config) as server, \
+            grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        t0 = time.monotonic()
+        replies = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT,
+                                                        ignore_eos=True)))
+        assert time.monotonic() - t0 > 0.2  # longer than the TTL
+        assert replies[-1].finished
+
+
 def test_round_out_of_order_is_failed_precondition(stub):
     opened = open_session(stub)
     skip = pb.VerifyRequest(session_id=opened.session_id, round=1, draft=pb.Draft())

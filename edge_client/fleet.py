@@ -408,23 +408,33 @@ class DeviceLink:
             try:
                 async for msg in call:
                     received = True
-                    size = msg.ByteSize()
-                    self.pending.bytes_down += size
-                    last = (self.netem.down.deliver_at(time.perf_counter(), size)
-                            if self.netem.enabled else time.perf_counter())
+                    last = self._arrived(msg)
                     yield last, msg
             except grpc.aio.AioRpcError as err:
-                await self._down(len((err.details() or "").encode()))
-                self.errors[err.code().name] += 1
-                if received or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
-                        or attempt + 1 == MAX_ATTEMPTS:
-                    raise
-                await self.backoff(attempt, _retry_after_ms(err))
+                await self._retry_stream(err, received, attempt)
                 continue
             finally:
                 call.cancel()
             await self._until(last)
             return
+
+    def _arrived(self, msg) -> float:
+        """Counts a message that just arrived; returns its emulated delivery time."""
+        size = msg.ByteSize()
+        self.pending.bytes_down += size
+        return (self.netem.down.deliver_at(time.perf_counter(), size) if self.netem.enabled
+                else time.perf_counter())
+
+    async def _retry_stream(self, err: grpc.aio.AioRpcError, received: bool,
+                            attempt: int) -> None:
+        """A stream failed: re-raises unless nothing arrived and the answer was
+        RESOURCE_EXHAUSTED with attempts left, in which case it backs off."""
+        await self._down(len((err.details() or "").encode()))
+        self.errors[err.code().name] += 1
+        if received or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
+                or attempt + 1 == MAX_ATTEMPTS:
+            raise err
+        await self.backoff(attempt, _retry_after_ms(err))
 
 
     async def duplex(self, method: str, first, outbox: Outbox
@@ -449,10 +459,7 @@ class DeviceLink:
                 # Read as soon as gRPC has a message, so that delivery times are exact.
                 try:
                     while (msg := await call.read()) is not grpc.aio.EOF:
-                        size = msg.ByteSize()
-                        self.pending.bytes_down += size
-                        inbox.put_nowait(((self.netem.down.deliver_at(time.perf_counter(), size)
-                                           if self.netem.enabled else time.perf_counter()), msg))
+                        inbox.put_nowait((self._arrived(msg), msg))
                     inbox.put_nowait(None)
                 except grpc.aio.AioRpcError as err:
                     inbox.put_nowait(err)
@@ -467,12 +474,7 @@ class DeviceLink:
                     received = True
                     yield item
             except grpc.aio.AioRpcError as err:
-                await self._down(len((err.details() or "").encode()))
-                self.errors[err.code().name] += 1
-                if received or err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED \
-                        or attempt + 1 == MAX_ATTEMPTS:
-                    raise
-                await self.backoff(attempt, _retry_after_ms(err))
+                await self._retry_stream(err, received, attempt)
                 continue
             finally:
                 call.cancel()

@@ -666,6 +666,7 @@ class RequestRecord:
     reopens: int = 0
     drafted: int = 0
     accepted: int = 0
+    drafting_forwards: int = 0  # target forwards that verified at least one draft
     continued: int = 0  # tokens from Continue streams (server-side decoding)
     prompt_key: str = ""
     max_new_tokens: int = 0
@@ -815,6 +816,7 @@ class Device:
                         self._event(record, at, len(new), 1, step.timing)
                         record.drafted += step.num_drafted
                         record.accepted += step.num_accepted
+                        record.drafting_forwards += step.num_drafted > 0
                         if not rounds.finished and rounds.lookahead_len():
                             outbox.put(rounds.lookahead_request(
                                 await propose(rounds.committed, rounds.lookahead_len())))
@@ -839,6 +841,7 @@ class Device:
         self._event(record, at, len(new), result.target_forwards, result.timing)
         record.drafted += len(proposal.tokens)
         record.accepted += result.num_accepted
+        record.drafting_forwards += bool(proposal.tokens) and result.target_forwards > 0
         return len(new)
 
     async def _baseline(self, request: Request, params: SessionParams,
@@ -912,7 +915,7 @@ def _summarize(records: list[RequestRecord], window_s: float,
     queue_s = forward_s = 0.0
     tpot_ms: list[float] = []
     ttft_ms: list[float] = []
-    drafted = accepted = 0
+    drafted = accepted = drafting_forwards = 0
     for r in records:
         events = [e for e in r.events if e[0] <= end]
         n = sum(e[1] for e in events)
@@ -924,6 +927,7 @@ def _summarize(records: list[RequestRecord], window_s: float,
         queue_s += sum(e[6] for e in events)
         forward_s += sum(e[7] for e in events)
         drafted += r.drafted
+        drafting_forwards += r.drafting_forwards
         accepted += r.accepted
         if n >= 1:
             ttft_ms.append((events[0][0] - r.start) * 1000)
@@ -948,6 +952,8 @@ def _summarize(records: list[RequestRecord], window_s: float,
         "bytes_down_per_token": per_token(down),
         "drafted_per_token": per_token(drafted),
         "acceptance_rate": accepted / drafted if drafted else None,
+        # Share of the target forwards that verified drafts (spec mode).
+        "drafting_forward_share": drafting_forwards / forwards if forwards else None,
         # Share of the tokens that came from Continue streams (spec mode).
         "continued_share": per_token(sum(r.continued for r in records)),
         # Server-side time (RoundResult / GenerateResponse timing) per token delivered.

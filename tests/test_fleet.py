@@ -497,7 +497,9 @@ def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, t
 
     per_token = VerifierEngine(target.model, target.vocab_size, target.max_context) \
         .kv.bytes_per_token
-    kw = {"workload": "chat", "duration_s": 3.0, "profile": "wifi"}
+    # Bounded by count (two requests per client), not by time, so a slow machine runs the
+    # same requests.
+    kw = {"workload": "chat", "duration_s": 120.0, "profile": "wifi", "max_requests": 2}
     with EmbeddedVerifier(target, VerifierConfig(port=0)) as roomy:  # also records drafts
         want = completed_outputs(fleet(roomy.address, tiny_llama_pair.draft_dir, tmp_path,
                                        **kw))
@@ -506,7 +508,5 @@ def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, t
         res = fleet(tight.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
     a = res["aggregate"]
     assert a["reopens"] > 0 and a["errors"].get("NOT_FOUND", 0) >= a["reopens"]
-    assert a["requests_failed"] == 0 and a["tokens"] > 0, a
-    got = completed_outputs(res)
-    assert got.keys() & want.keys()
-    assert all(got[k] == want[k] for k in got.keys() & want.keys())
+    assert a["requests_failed"] == 0 and a["requests_completed"] == 8, a
+    assert completed_outputs(res) == want

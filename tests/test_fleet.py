@@ -215,7 +215,8 @@ def completed_outputs(res: dict) -> dict[tuple[str, int], list[int]]:
 
 
 def test_fleet_spec_replay_and_baseline(verifier, tiny_llama_pair, tmp_path):
-    spec = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, workload="mixed")
+    spec = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, workload="mixed",
+                 protocol="rounds")
     check_result(spec, 4)
     assert spec["mode"] == "spec" and spec["drafts"] == "replay"
     assert spec["profile"]["name"] == "wifi" and spec["workload"] == "mixed"
@@ -237,7 +238,8 @@ def test_fleet_spec_replay_and_baseline(verifier, tiny_llama_pair, tmp_path):
 
 
 def test_greedy_replay_output_equals_model_output(verifier, tiny_llama_pair, tmp_path):
-    kw = {"clients": 2, "workload": "ime", "profile": "none", "duration_s": 2.5}
+    kw = {"clients": 2, "workload": "ime", "profile": "none", "duration_s": 2.5,
+          "protocol": "rounds"}
     replay = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, **kw)
     model = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, drafts="model", **kw)
     check_result(model, 2)
@@ -255,7 +257,8 @@ def test_saturated_server_decodes_in_session_without_a_round_trip_per_token(
     """When the server says drafting does not pay (here: a verify cost so high that it always
     suggests K = 0), spec clients let it decode through Continue streams: the same output as
     the baseline, one forward per token, and far fewer round trips than tokens."""
-    kw = {"clients": 2, "workload": "chat", "profile": "none", "duration_s": 2.5}
+    kw = {"clients": 2, "workload": "chat", "profile": "none", "duration_s": 2.5,
+          "protocol": "rounds"}
     base = fleet(verifier.address, tiny_llama_pair.draft_dir, tmp_path, mode="baseline", **kw)
     config = VerifierConfig(port=0, verify_token_cost=100.0,
                             fit_verify_cost=False)

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from test_server import GREEDY, PROMPT, code_of, reference_greedy
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.engine import NO_DRAFT, DraftRound
@@ -18,7 +19,6 @@ from cloud_verifier.server import EmbeddedVerifier
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 from shared.verification import verify
-from tests.test_server import GREEDY, PROMPT, code_of, reference_greedy
 
 # -- which drafts a forward takes ---------------------------------------------------------------
 

@@ -4,6 +4,12 @@ Rounds queue here. While one forward runs (in a worker thread), new rounds keep 
 when it finishes, everything queued (up to ``max_batch_tokens`` new tokens) goes into the next
 forward, after an optional short gather window. A round whose caller gave up before its
 forward started is dropped without running.
+
+Under KV memory pressure (``_admit``) idle sessions are evicted first, least recently used
+first; then sessions are served in admission order: an older session's round may take the KV
+memory of younger sessions (preemption: their cache is dropped and recomputed from their
+committed tokens when they next run, which their clients cannot see), and a round that still
+does not fit waits in the queue for memory, for at most ``kv_wait_s``.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ from dataclasses import dataclass, field
 
 from cloud_verifier.draft_policy import VerifyCostModel
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
-from cloud_verifier.errors import Overloaded
+from cloud_verifier.errors import ContextTooLong, KVCacheFull, Overloaded
 from cloud_verifier.metrics import VerifierMetrics
-from cloud_verifier.sessions import Session
+from cloud_verifier.sessions import Session, short_id
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,9 @@ class RoundBatcher:
                  max_queued_rounds: int = 256,
                  evict: Callable[[int, set[str]], None] = lambda nbytes, keep: None,
                  regather_s: float = 0.005,
-                 cost_model: VerifyCostModel | None = None) -> None:
+                 cost_model: VerifyCostModel | None = None,
+                 holders: Callable[[], list[Session]] = list,
+                 kv_wait_s: float = 10.0, kv_poll_s: float = 0.01) -> None:
         self.engine = engine
         # Learns what a forward of a given shape costs from the forwards run here.
         self.cost_model = cost_model or VerifyCostModel(fit=False)
@@ -61,6 +69,10 @@ class RoundBatcher:
         self.max_queued_rounds = max_queued_rounds
         # Frees idle sessions' KV memory: evict(bytes needed, ids of sessions to keep).
         self._evict = evict
+        # Live sessions holding KV memory (candidates for preemption).
+        self._holders = holders
+        self.kv_wait_s = kv_wait_s
+        self.kv_poll_s = kv_poll_s
         self.max_batch_tokens = max_batch_tokens
         self.gather_window_s = gather_window_s
         self.regather_s = regather_s
@@ -97,8 +109,19 @@ class RoundBatcher:
                     await asyncio.sleep(self.gather_window_s)
                 batch = self._take()
                 if batch:
-                    await self._run(batch)
-                    await self._regather(batch)
+                    ran = await self._run(batch)
+                    if ran:
+                        await self._regather(ran)
+                    else:  # every round waits for KV memory: let sessions finish first
+                        await self._pause(self.kv_poll_s)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleeps until a round is submitted, or ``seconds`` pass."""
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _regather(self, ran: list[Ticket]) -> None:
         """Waits up to ``regather_s`` for the follow-up rounds of streamed sessions that were
@@ -138,11 +161,78 @@ class RoundBatcher:
             tokens += ticket.num_tokens
         return batch
 
-    async def _run(self, batch: list[Ticket]) -> None:
+    def _admit(self, batch: list[Ticket]) -> list[Ticket]:
+        """The rounds of ``batch`` that the KV budget holds now (see the module docstring);
+        the others go back to the front of the queue, or fail if they waited too long or
+        could never fit."""
+        engine = self.engine
+        needed = engine.kv_growth_bytes([(t.session, t.draft) for t in batch])
+        if engine.kv.fits(needed):
+            return batch
+        self._evict(needed, {t.session.id for t in batch})
+        if engine.kv.fits(engine.kv_growth_bytes([(t.session, t.draft) for t in batch])):
+            return batch
+        admitted: list[Ticket] = []
+        waiting: list[Ticket] = []
+        now = time.perf_counter_ns()
+        for ticket in sorted(batch, key=lambda t: t.session.seq):
+            if self._make_room(ticket, admitted):
+                admitted.append(ticket)
+                continue
+            alone = engine.round_bytes(ticket.session, ticket.draft)
+            if alone > engine.kv.budget_bytes:
+                ticket.future.set_exception(KVCacheFull(
+                    f"this round needs {alone} bytes of KV cache, more than the whole budget "
+                    f"of {engine.kv.budget_bytes} bytes"))
+            elif now - ticket.enqueued_ns > self.kv_wait_s * 1e9:
+                ticket.future.set_exception(KVCacheFull(
+                    f"the KV cache budget of {engine.kv.budget_bytes} bytes stayed in use by "
+                    f"older sessions for {self.kv_wait_s:g} s; retry later"))
+            else:
+                waiting.append(ticket)
+        order = {id(t): i for i, t in enumerate(batch)}
+        self._queue.extendleft(sorted(waiting, key=lambda t: -order[id(t)]))
+        return sorted(admitted, key=lambda t: order[id(t)])
+
+    def _make_room(self, ticket: Ticket, admitted: list[Ticket]) -> bool:
+        """Reserves the round's KV memory, preempting younger sessions (youngest first) that
+        are not in ``admitted`` if that is what it takes; False, preempting no one, if even
+        that would not be enough."""
+        session, engine = ticket.session, self.engine
+        try:
+            engine.reserve(session, ticket.draft)
+            return True
+        except ContextTooLong:
+            return True  # the forward answers it with this error
+        except KVCacheFull:
+            pass
+        keep = {t.session.id for t in admitted} | {session.id}
+        victims = sorted((v for v in self._holders()
+                          if v.seq > session.seq and v.id not in keep), key=lambda v: -v.seq)
+        held = session.kv.nbytes if session.kv is not None else 0
+        freeable = sum(v.kv.nbytes for v in victims)
+        need = engine.round_bytes(session, ticket.draft) - held
+        if not engine.kv.fits(need - freeable):
+            return False
+        for victim in victims:
+            log.info("preempting session %s (%d tokens): its KV cache goes to an older "
+                     "session and is recomputed when it runs again", short_id(victim.id),
+                     len(victim.committed))
+            engine.release(victim)
+            self.metrics.preemptions.inc()
+            try:
+                engine.reserve(session, ticket.draft)
+                return True
+            except KVCacheFull:
+                continue
+        return False
+
+    async def _run(self, batch: list[Ticket]) -> list[Ticket]:
+        """Runs what of ``batch`` fits in memory in one forward; returns what ran."""
+        batch = self._admit(batch)
+        if not batch:
+            return batch
         rounds = [(t.session, t.draft) for t in batch]
-        needed = self.engine.kv_growth_bytes(rounds)
-        if not self.engine.kv.fits(needed):
-            self._evict(needed, {t.session.id for t in batch})
         started = time.perf_counter_ns()
         for ticket in batch:
             ticket.queue_ns = started - ticket.enqueued_ns
@@ -163,6 +253,7 @@ class RoundBatcher:
                 ticket.future.set_exception(outcome)
             else:
                 ticket.future.set_result(outcome)
+        return batch
 
     def _learn_cost(self, sessions: int, tokens: int, elapsed_ns: int) -> None:
         model = self.cost_model

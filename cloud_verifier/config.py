@@ -41,6 +41,9 @@ class VerifierConfig:
     fit_verify_cost: bool = True
     # Bytes of target KV cache all sessions may hold; None means unbounded.
     kv_budget_bytes: int | None = None
+    # How long a round may wait for KV memory held by older sessions before it gets
+    # RESOURCE_EXHAUSTED.
+    kv_wait_s: float = 10.0
     # Prometheus HTTP port; None disables the endpoint.
     metrics_port: int | None = None
 
@@ -49,6 +52,8 @@ class VerifierConfig:
             raise ValueError(f"max_draft_len must be in [0, 256], got {self.max_draft_len}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.kv_wait_s < 0:
+            raise ValueError(f"kv_wait_s must be >= 0, got {self.kv_wait_s}")
         if self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.max_context is not None and self.max_context < 2:

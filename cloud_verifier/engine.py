@@ -111,9 +111,7 @@ class VerifierEngine:
         segments: list[Segment] = []
         for i, (session, draft) in enumerate(rounds):
             try:
-                self.check_room(len(session.committed), len(draft.tokens))
-                # Room for everything fed this round (the cache covers committed[:-1]).
-                session.kv = self._ensure(session, len(session.committed) + len(draft.tokens))
+                self.reserve(session, draft)
             except (ContextTooLong, KVCacheFull) as exc:
                 results[i] = exc
                 continue
@@ -131,11 +129,19 @@ class VerifierEngine:
                                           len(segments), batch_tokens)
         return results  # type: ignore[return-value]
 
-    def _ensure(self, session: Session, length: int):
+    def reserve(self, session: Session, draft: DraftRound) -> None:
+        """Checks the context and gives the session KV room for everything this round feeds
+        (the cache covers committed[:-1]); a session without a cache gets one for its whole
+        context, which the forward then recomputes."""
+        self.check_room(len(session.committed), len(draft.tokens))
         try:
-            return self.kv.ensure(session.kv, length)
+            session.kv = self.kv.ensure(session.kv, len(session.committed) + len(draft.tokens))
         except KVBudgetExceeded as exc:
             raise KVCacheFull(str(exc)) from None
+
+    def round_bytes(self, session: Session, draft: DraftRound) -> int:
+        """KV bytes the round needs in all, counting what the session already holds."""
+        return (len(session.committed) + len(draft.tokens)) * self.kv.bytes_per_token
 
     def _decide(self, session: Session, draft: DraftRound, rows: torch.Tensor, forward_ns: int,
                 batch_sessions: int, batch_tokens: int) -> RoundOutcome:

@@ -60,6 +60,10 @@ class VerifierMetrics:
             "received yet, or drafting did not pay).", ["lookahead"], registry=r)
         self.evictions = Counter("edgespec_session_evictions",
                                  "Sessions evicted, by reason.", ["reason"], registry=r)
+        self.preemptions = Counter(
+            "edgespec_num_preemptions",
+            "Sessions whose KV cache was dropped for an older session's round under the KV "
+            "budget (recomputed when they next run).", registry=r)
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",
                               registry=r)
 

@@ -169,6 +169,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                         "the server's own forwards")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="bytes of target KV cache all sessions may hold (default: unbounded)")
+    p.add_argument("--kv-wait", type=float, default=10.0,
+                   help="seconds a round may wait for KV memory that older sessions hold "
+                        "before it gets RESOURCE_EXHAUSTED")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
     p.add_argument("--api-keys-file", type=Path, default=None,
@@ -178,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     args = p.parse_args(argv)
     if args.verify_token_cost < 0 or args.verify_session_cost < 0:
         p.error("--verify-token-cost and --verify-session-cost must be >= 0")
+    if args.kv_wait < 0:
+        p.error("--kv-wait must be >= 0")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     digests: frozenset[str] = frozenset()
@@ -193,8 +198,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         max_queued_rounds=args.max_queued_rounds, verify_token_cost=args.verify_token_cost,
         verify_session_cost=args.verify_session_cost, fit_verify_cost=not args.fixed_verify_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
-        session_ttl_s=args.session_ttl, grace_s=args.grace, api_key_digests=digests,
-        metrics_port=args.metrics_port)
+        kv_wait_s=args.kv_wait, session_ttl_s=args.session_ttl, grace_s=args.grace,
+        api_key_digests=digests, metrics_port=args.metrics_port)
     return args, config
 
 

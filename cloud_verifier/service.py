@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = "edgespec.v1"
 # Back-off hint sent with RESOURCE_EXHAUSTED.
 RETRY_AFTER_MS = 200
+# After a Lookahead stream's last step, how long the server waits for the client to end it.
+HALF_CLOSE_GRACE_S = 5.0
 # A K = 0 round (Generate, Continue) is identified like an empty Verify draft so that a
 # client may retry a missed one either way.
 _NO_DRAFT_DIGEST = draft_digest(pb.Draft())
@@ -148,7 +150,8 @@ class VerifierService(pb_grpc.VerifierServicer):
                                     self._evict_idle,
                                     cost_model=VerifyCostModel(config.verify_session_cost,
                                                                config.verify_token_cost,
-                                                               fit=config.fit_verify_cost))
+                                                               fit=config.fit_verify_cost),
+                                    holders=self.store.holding_kv, kv_wait_s=config.kv_wait_s)
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -221,6 +224,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                 owner = self._caller(context)
                 session = self._create_session(parse_generate(
                     request, self.limits, frozenset(self.info.eos_token_ids)), owner)
+                session.streamed = True
                 for round_no in itertools.count():
                     result = await self._round(session, round_no, NO_DRAFT, _NO_DRAFT_DIGEST,
                                                False, follow_up=True)
@@ -266,6 +270,7 @@ class VerifierService(pb_grpc.VerifierServicer):
                     raise InvalidRequest("the first message on a Lookahead stream must be open")
                 params = parse_open(first.open, self.limits, frozenset(self.info.eos_token_ids))
                 session = self._create_session(params, owner)
+                session.streamed = True
                 # The latest lookahead; an open's first_draft is the first one.
                 latest: list[Lookahead | None] = [
                     None if params.first_draft is None
@@ -294,6 +299,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                         suggested_draft_len=result.suggested_draft_len)
                     if result.finished:
                         break
+                # The RPC ends once the client half-closes or hangs up (or after a grace):
+                # a grpc.aio client whose lookahead write meets an RPC that already ended
+                # reports INTERNAL instead of the stream's steps and status (grpc/grpc#36066).
+                await asyncio.wait([reader], timeout=HALF_CLOSE_GRACE_S)
         finally:
             if reader is not None:
                 reader.cancel()

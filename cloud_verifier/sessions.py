@@ -8,6 +8,7 @@ to a caller that does not own it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import secrets
@@ -84,6 +85,11 @@ class Session:
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Admission order: under KV pressure older sessions keep their memory (batcher).
+    seq: int = 0
+    # Decoded by a stream the server drives (Generate, Lookahead): never idle while it lasts,
+    # so it is never evicted, only preempted (its KV dropped and recomputed later).
+    streamed: bool = False
 
     @property
     def cache_len(self) -> int:
@@ -110,6 +116,7 @@ class SessionStore:
         self._ttl = ttl_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._seq = itertools.count()
         self._closed: OrderedDict[str, Session] = OrderedDict()
 
     def __len__(self) -> int:
@@ -126,7 +133,8 @@ class SessionStore:
         session = Session(
             id=session_id, owner=owner, sampling=sampling, committed=list(prompt),
             prompt_len=len(prompt), max_new_tokens=max_new_tokens,
-            stop_token_ids=stop_token_ids, generator=generator, last_used=self._clock())
+            stop_token_ids=stop_token_ids, generator=generator, last_used=self._clock(),
+            seq=next(self._seq))
         self._sessions[session_id] = session
         log.info("session %s opened: prompt %d tokens, %s", short_id(session_id), len(prompt),
                  "greedy" if sampling.is_greedy else "sampling")
@@ -162,9 +170,14 @@ class SessionStore:
         return session
 
     def idle_lru(self) -> list[Session]:
-        """Live sessions with no round in flight, least recently used first."""
-        idle = [s for s in self._sessions.values() if not s.lock.locked()]
+        """Live sessions with no round in flight and no stream driving them, least recently
+        used first."""
+        idle = [s for s in self._sessions.values() if not s.lock.locked() and not s.streamed]
         return sorted(idle, key=lambda s: s.last_used)
+
+    def holding_kv(self) -> list[Session]:
+        """Live sessions that hold KV memory."""
+        return [s for s in self._sessions.values() if s.kv is not None]
 
     def expire_idle(self) -> int:
         now = self._clock()

@@ -238,7 +238,9 @@ class Generation:
                 self.token_ids.extend(new)
                 self._account(step.num_drafted, step.num_accepted, len(new), 1, step.timing)
                 yield new
-                if not state.finished and state.lookahead_len():
+                if state.finished:
+                    break  # the server keeps the stream open until we end it
+                if state.lookahead_len():
                     stream.send(state.lookahead_request(
                         self._propose(drafter, state, state.lookahead_len())))
             if not state.finished:

@@ -139,7 +139,7 @@ class FleetConfig:
     workload: str = "chat"
     mode: str = "spec"
     drafts: str = "replay"
-    protocol: str = "rounds"
+    protocol: str = "lookahead"
     draft_len: int = 4
     # Spec clients pick drafting or Continue by measured rate (edge_client.rate_chooser);
     # off: draft whenever the server's suggestion allows.
@@ -817,7 +817,9 @@ class Device:
                         record.drafted += step.num_drafted
                         record.accepted += step.num_accepted
                         record.drafting_forwards += step.num_drafted > 0
-                        if not rounds.finished and rounds.lookahead_len():
+                        if rounds.finished:
+                            break  # the server keeps the stream open until we end it
+                        if rounds.lookahead_len():
                             outbox.put(rounds.lookahead_request(
                                 await propose(rounds.committed, rounds.lookahead_len())))
                 if not rounds.finished:
@@ -1196,11 +1198,11 @@ def add_common_args(p) -> None:
     p.add_argument("--drafts", choices=DRAFT_SOURCES, default="replay",
                    help="spec mode: run the ONNX draft on each client, or replay drafts "
                         "recorded once from it (greedy only; keeps edge CPU out of the run)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="rounds",
-                   help="spec mode: a Verify round trip per round (with Continue streams when "
-                        "drafting does not pay; the default), or one Lookahead stream per "
-                        "generation (the server decodes back to back; the client streams "
-                        "drafts ahead)")
+    p.add_argument("--protocol", choices=PROTOCOLS, default="lookahead",
+                   help="spec mode: one Lookahead stream per generation (the server decodes "
+                        "back to back; the client streams drafts ahead; the default), or a "
+                        "Verify round trip per round (with Continue streams when drafting "
+                        "does not pay)")
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
     p.add_argument("--no-adaptive", action="store_true",
                    help="spec clients draft whenever the server's suggestion allows, instead "

@@ -169,3 +169,108 @@ def test_queued_rounds_beyond_the_limit_are_overloaded(target):
             batcher.submit(s2, DraftRound([], None))
 
     asyncio.run(submit_two())
+
+
+def _greedy_tokens(target, prompt: list[int], rounds: int) -> list[int]:
+    """What ``rounds`` plain target steps commit after ``prompt``, with memory to spare."""
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    session = SessionStore(1, 60, on_close=engine.release).create(
+        "me", SamplingParams(), list(prompt), 0, frozenset())
+    for _ in range(rounds):
+        engine.run_round(session, DraftRound([], None))
+    return session.committed
+
+
+def _tight_batcher(target, budget_tokens: int, kv_wait_s: float = 10.0):
+    """An engine with a KV budget of ``budget_tokens`` tokens, its store and a batcher."""
+    per_token = VerifierEngine(target.model, target.vocab_size,
+                               target.max_context).kv.bytes_per_token
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context,
+                            kv_budget_bytes=budget_tokens * per_token)
+    store = SessionStore(max_sessions=8, ttl_s=60, on_close=engine.release)
+    metrics = VerifierMetrics()
+    batcher = RoundBatcher(engine, metrics, holders=store.holding_kv, kv_wait_s=kv_wait_s)
+    return engine, store, metrics, batcher
+
+
+def _streamed(store: SessionStore, prompt: list[int]):
+    session = store.create("me", SamplingParams(), list(prompt), 0, frozenset())
+    session.streamed = True  # driven by a stream: not idle, so never evicted
+    return session
+
+
+def test_an_older_session_preempts_a_younger_one_whose_output_is_unchanged(target):
+    """Budget 96 tokens. The younger session holds 64; the older one needs 41 more: it takes
+    the younger one's memory. The younger one's next round waits (it cannot preempt an older
+    session) until the older one closes, then recomputes its cache from its committed tokens;
+    both outputs are the target's own."""
+    engine, store, metrics, batcher = _tight_batcher(target, 96)
+    budget = engine.kv.budget_bytes
+    old_prompt, young_prompt = list(range(2, 42)), list(range(50, 90))
+    old, young = _streamed(store, old_prompt), _streamed(store, young_prompt)
+    assert old.seq < young.seq
+
+    async def scenario():
+        runner = asyncio.ensure_future(batcher.run_forever())
+
+        async def step(session):
+            return await batcher.submit(session, DraftRound([], None)).future
+
+        for _ in range(3):
+            await step(young)
+        assert young.kv.capacity == 64 and engine.kv.bytes_in_use <= budget
+        for _ in range(3):
+            await step(old)  # the first preempts the younger session
+        assert young.kv is None and old.kv is not None and engine.kv.bytes_in_use <= budget
+        waiting = batcher.submit(young, DraftRound([], None))
+        await asyncio.sleep(0.2)
+        assert not waiting.future.done() and len(batcher) == 1  # waits, does not fail
+        store.close(old.id)  # frees its memory
+        await asyncio.wait_for(waiting.future, 5)
+        for _ in range(2):
+            await step(young)
+        assert engine.kv.bytes_in_use <= budget
+        runner.cancel()
+
+    asyncio.run(scenario())
+    assert metrics.preemptions._value.get() == 1
+    assert old.committed == _greedy_tokens(target, old_prompt, 3)
+    assert young.committed == _greedy_tokens(target, young_prompt, 6)
+
+
+def test_a_round_that_waits_too_long_for_kv_memory_is_resource_exhausted(target):
+    """An older session holds the memory and does not finish: after ``kv_wait_s`` the
+    younger round fails with KVCacheFull (RESOURCE_EXHAUSTED); a round larger than the
+    whole budget fails at once; the older session is undisturbed."""
+    from cloud_verifier.errors import KVCacheFull
+
+    engine, store, metrics, batcher = _tight_batcher(target, 96, kv_wait_s=0.1)
+    old = _streamed(store, list(range(2, 42)))
+    young = _streamed(store, list(range(50, 90)))
+    huge = _streamed(store, list(range(3, 103)))
+
+    async def scenario():
+        runner = asyncio.ensure_future(batcher.run_forever())
+        await batcher.submit(old, DraftRound([], None)).future
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(KVCacheFull, match="more than the whole budget"):
+            await batcher.submit(huge, DraftRound([], None)).future
+        assert loop.time() - t0 < 0.1  # at once, no waiting
+        with pytest.raises(KVCacheFull, match="stayed in use by older sessions"):
+            await batcher.submit(young, DraftRound([], None)).future
+        assert loop.time() - t0 >= 0.1
+        await batcher.submit(old, DraftRound([], None)).future
+        runner.cancel()
+
+    asyncio.run(scenario())
+    assert metrics.preemptions._value.get() == 0 and young.kv is None and huge.kv is None
+    assert old.committed == _greedy_tokens(target, list(range(2, 42)), 2)
+
+
+def test_streamed_sessions_are_never_idle(target):
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+    store = SessionStore(max_sessions=4, ttl_s=60, on_close=engine.release)
+    plain = store.create("me", SamplingParams(), PROMPT, 0, frozenset())
+    _streamed(store, PROMPT)
+    assert store.idle_lru() == [plain]

@@ -78,7 +78,7 @@ def test_prompt_split_is_deterministic_and_disjoint():
     assert all(not p.chat for p in train_set if p.kind == "ime")
 
 
-@pytest.mark.parametrize("split", ["extra", "extra2", "extra3"])
+@pytest.mark.parametrize("split", ["extra", "extra2", "extra3", "extra4"])
 def test_extra_split_adds_training_topics_without_touching_heldout(split):
     from edge_client.tools import distill_prompts as dp
 

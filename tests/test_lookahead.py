@@ -170,9 +170,10 @@ def test_greedy_lookahead_stream_is_plain_greedy_decoding(stub, target):
         steps.append(step)
         assert step.committed_length == len(PROMPT) + len(got)
         assert step.num_accepted <= step.num_drafted and step.timing.forward_ns > 0
-        if not step.finished:
+        if step.finished:
+            feed.close()  # the server ends the stream once the client does
+        else:
             feed.put(lookahead(len(PROMPT) + len(got), want[len(got):len(got) + 6]))
-    feed.close()
     assert got == want[:n]
     assert steps[-1].finished and not any(s.finished for s in steps[:-1])
     # Round 0 takes the open's first draft: all 4 right, plus the bonus token.
@@ -248,3 +249,48 @@ def test_cancelling_the_stream_closes_the_session(stub, target):
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert time.monotonic() < deadline, "the cancelled stream's session stayed open"
             time.sleep(0.05)
+
+
+def test_the_stream_outlives_its_last_step_until_the_client_ends_it(stub, target):
+    """A late lookahead (written as the last step goes out) meets an RPC that is still open:
+    the server ends it only when the client half-closes."""
+    want = reference_greedy(target, PROMPT, 3)
+    feed = Feed(opening(3))
+    call = stub.Lookahead(iter(feed))
+    got = []
+    while not (step := next(call)).finished:
+        got += step.token_ids
+    got += step.token_ids
+    feed.put(lookahead(len(PROMPT) + len(got), [5, 6]))  # late
+    time.sleep(0.3)
+    assert not call.done()
+    feed.close()
+    assert list(call) == [] and call.code() == grpc.StatusCode.OK and got == want
+
+
+def test_grpc_aio_clients_writing_to_the_end_get_every_step(verifier, target):
+    """grpc.aio turns a client write that meets an ended RPC into INTERNAL, losing the
+    stream's last step (grpc/grpc#36066). A client that answers every step with a lookahead,
+    the last one included, gets all steps and status OK: 12 streams of 4 tokens."""
+    import asyncio
+
+    want = reference_greedy(target, PROMPT, 4)
+
+    async def one(stub) -> list[int]:
+        call = stub.Lookahead()
+        await call.write(opening(4))
+        got: list[int] = []
+        while (step := await call.read()) is not grpc.aio.EOF:
+            got += step.token_ids
+            await call.write(lookahead(len(PROMPT) + len(got), [5, 6]))
+            if step.finished:
+                await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        return got
+
+    async def main() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            return [await one(stub) for _ in range(12)]
+
+    assert asyncio.run(main()) == [want] * 12

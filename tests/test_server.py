@@ -386,8 +386,10 @@ def test_continue_rejects_bad_requests(stub):
 def test_command_line_checks_its_numbers():
     from cloud_verifier.server import parse_args
 
-    args, config = parse_args(["--threads", "1", "--kv-budget-mb", "2", "--port", "0"])
+    args, config = parse_args(["--threads", "1", "--kv-budget-mb", "2", "--port", "0",
+                               "--kv-wait", "2.5"])
     assert args.threads == 1 and config.kv_budget_bytes == 2 * 2**20
-    for bad in (["--threads", "0"], ["--verify-token-cost", "-1"]):
+    assert config.kv_wait_s == 2.5
+    for bad in (["--threads", "0"], ["--verify-token-cost", "-1"], ["--kv-wait", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)

@@ -432,6 +432,101 @@ _EXTRA3_IME_STARTS = (
 )
 
 
+# --- a fourth round of extra training topics (added for draft v7) -----------------------------
+
+_EXTRA4_CHAT_TOPICS = (
+    "the Great Wall of China", "the Amazon rainforest", "the Grand Canyon", "the Alps",
+    "the Mediterranean Sea", "volcanoes and islands", "coral reefs", "glaciers", "deserts at night",
+    "tides", "ocean currents", "the water cycle", "the carbon cycle", "photosynthesis",
+    "pollination", "bees", "ants", "butterflies", "spiders", "owls", "penguins", "dolphins",
+    "whales", "sharks", "octopuses", "elephants", "giraffes", "lions", "wolves", "bears",
+    "horses", "cows", "chickens", "frogs", "snakes", "turtles", "bats", "squirrels",
+    "migration of birds", "hibernation", "camouflage", "food chains", "endangered species",
+    "recycling plastic", "solar panels", "wind turbines", "electric cars", "batteries",
+    "light bulbs", "magnets", "gravity", "the speed of light", "black holes", "the Moon",
+    "the Sun", "Mars", "Jupiter", "comets", "meteor showers", "eclipses", "the Milky Way",
+    "astronauts", "the International Space Station", "the first Moon landing", "the printing press",
+    "the steam engine", "the telephone", "the internet's history", "the Roman Empire",
+    "ancient Egypt", "ancient Greece", "the Middle Ages", "the Renaissance", "castles",
+    "knights", "pirates", "the Vikings", "the Silk Road", "the Industrial Revolution",
+    "the history of money", "the Olympic Games", "the World Cup", "marathons", "yoga",
+    "stretching", "meditation", "breathing exercises", "posture", "walking every day",
+    "drinking enough water", "vitamins", "breakfast", "caffeine", "naps", "dreams",
+    "memory", "habits", "motivation", "procrastination", "goal setting", "journaling",
+    "gratitude", "patience", "kindness", "honesty", "courage", "curiosity", "humor",
+    "public speaking", "negotiation", "making small talk", "writing emails",
+    "writing a short story", "reading more books", "learning a language", "learning to code",
+    "learning math", "studying for exams", "taking notes", "online courses", "homeschooling",
+    "teachers", "school uniforms", "homework", "summer camp", "college applications",
+    "scholarships", "student loans", "budgeting", "saving money", "investing", "taxes",
+    "inflation", "interest rates", "the stock market", "cryptocurrency", "shopping on a budget",
+    "coupons", "tipping", "splitting bills", "moving to a new city", "packing boxes",
+    "furniture", "houseplants", "lighting a room", "painting walls", "fixing a leaky faucet",
+    "unclogging a drain", "changing a tire", "car maintenance", "bicycle repair",
+    "camping", "building a campfire", "tents", "picnics", "barbecues", "baking cookies",
+    "making pizza", "pasta", "rice", "salads", "sandwiches", "smoothies", "coffee",
+    "breakfast cereal", "apples", "bananas", "potatoes", "tomatoes", "garlic", "mushrooms",
+    "olive oil", "butter", "ice cream", "cakes", "pancakes", "soup for a cold day",
+    "meal prepping", "food allergies", "reading food labels", "street food", "restaurants",
+    "music lessons", "the piano", "the guitar", "drums", "singing", "choirs", "orchestras",
+    "jazz", "classical music", "pop music", "concerts", "podcasts", "audiobooks", "movies",
+    "cartoons", "comic books", "photography", "filmmaking", "theater", "dance", "magic tricks",
+    "puzzles", "chess", "card games", "crossword puzzles", "collecting stamps", "origami",
+    "pottery", "sewing", "embroidery", "calligraphy", "model trains", "kites", "board games",
+    "email etiquette", "video calls", "working from home", "open offices", "commuting",
+    "job interviews", "salary negotiation", "teamwork", "conflict at work", "burnout",
+    "time management", "to-do lists", "project planning", "presentations", "customer feedback",
+    "product design", "user interfaces", "software testing", "debugging", "version control",
+    "code reviews", "documentation", "cybersecurity", "encryption", "backups", "computer viruses",
+    "keyboards", "laptops", "printers", "Wi-Fi", "Bluetooth", "smart homes", "smartwatches",
+    "artificial intelligence", "chatbots", "machine translation", "search engines",
+)
+_EXTRA4_CODE_TASKS = (
+    "reverses the words in a sentence", "checks whether a year is a leap year",
+    "sums the digits of a number", "finds the second largest number in a list",
+    "counts how often each character appears in a string", "merges two sorted lists",
+    "converts a binary string to an integer", "finds the common elements of two lists",
+    "checks whether a string contains only digits", "computes the factorial of a number",
+    "rotates a list by k positions", "returns the median of a list of numbers",
+)
+_EXTRA4_LIST_SUBJECTS = (
+    "Asian capitals", "farm animals", "citrus fruits", "kitchen tools", "winter sports",
+    "things to do on a rainy day", "ways to make friends in a new city", "gifts for a teacher",
+    "classic novels", "science museums", "types of clouds", "desert animals",
+    "ways to save water", "study tips for students", "camping essentials",
+    "ideas for a weekend trip", "things to check before a long drive", "indoor plants",
+    "healthy breakfast ideas", "ways to stay warm", "famous scientists", "musical instruments",
+    "African countries", "ways to reduce waste", "questions to ask a doctor",
+    "features of a good resume", "office supplies", "rainy day games for kids",
+    "ways to relax after work", "planets in the solar system",
+)
+_EXTRA4_FACT_QUESTIONS = (
+    "How many hours are in a day?", "What is the capital of Japan?",
+    "Who wrote Romeo and Juliet?", "What is the largest planet in our solar system?",
+    "How many sides does a hexagon have?", "What is the chemical symbol for water?",
+    "What is the tallest animal?", "How many weeks are in a year?",
+    "What is the capital of Canada?", "Who invented the light bulb?",
+    "What is 12 times 12?", "How many players are on a soccer team?",
+    "What is the hardest natural substance?", "Which ocean is the largest?",
+    "What is the capital of Germany?", "How many bones are in the human body?",
+    "What language is spoken in Brazil?", "What is the longest river in the world?",
+    "How many colors are in a rainbow?", "What does RAM stand for?",
+)
+_EXTRA4_IME_STARTS = (
+    "I'm on my way to", "Could you send me the", "We should grab", "Sorry, I missed your",
+    "Just wanted to check if", "The meeting got moved to", "I'll call you after",
+    "Don't worry about the", "Can you pick up some", "I left my", "We're going to be late for",
+    "Thanks again for the", "Let's plan to", "I'm so happy that", "Did you get my",
+    "Please remind me to", "I'm free after", "The package arrived", "How about we",
+    "I'll bring the", "Just got home and", "Are we still on for", "It was great to see",
+    "I'll send you the", "Can you believe", "The doctor said", "My flight is",
+    "Remember to lock the", "We're out of milk so", "I'm looking forward to",
+    "The weather today is", "Could you give me a", "I'll be back by", "Hope you're feeling",
+    "Let me think about", "I need to finish", "The store closes at", "Congrats on your",
+    "Is there anything I", "Talk to you",
+)
+
+
 Keyed = list[tuple[DistillPrompt, str]]  # a prompt and the key its split is decided by
 
 
@@ -467,6 +562,8 @@ _EXTRA_TABLES = {
                _EXTRA2_FACT_QUESTIONS, _EXTRA2_IME_STARTS),
     "extra3": (_EXTRA3_CHAT_TOPICS, _EXTRA3_CODE_TASKS, _EXTRA3_LIST_SUBJECTS,
                _EXTRA3_FACT_QUESTIONS, _EXTRA3_IME_STARTS),
+    "extra4": (_EXTRA4_CHAT_TOPICS, _EXTRA4_CODE_TASKS, _EXTRA4_LIST_SUBJECTS,
+               _EXTRA4_FACT_QUESTIONS, _EXTRA4_IME_STARTS),
 }
 EXTRA_SPLITS = tuple(_EXTRA_TABLES)
 
@@ -528,12 +625,12 @@ def _split() -> dict[str, tuple[DistillPrompt, ...]]:
 SPLITS = ("train", "heldout", *EXTRA_SPLITS)
 
 
-def prompt_split(name: Literal["train", "heldout", "extra", "extra2", "extra3"],
+def prompt_split(name: Literal["train", "heldout", "extra", "extra2", "extra3", "extra4"],
                  ) -> list[DistillPrompt]:
     """A split's prompts, in a fixed order (deterministic across runs).
 
-    ``extra``, ``extra2`` and ``extra3`` are further training splits on topics that no earlier
-    split has;
+    ``extra``, ``extra2``, ``extra3`` and ``extra4`` are further training splits on topics that
+    no earlier split has;
     ``heldout`` is the same whether or not they exist.
     """
     splits = _split()

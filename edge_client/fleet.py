@@ -303,6 +303,15 @@ def _is_evicted(err: grpc.aio.AioRpcError) -> bool:
     return err.code() == grpc.StatusCode.NOT_FOUND and "evicted" in (err.details() or "")
 
 
+def _lost_to_a_write(err: grpc.aio.AioRpcError) -> bool:
+    """grpc.aio reports a write that met a stream the server had just ended as this INTERNAL
+    error, in place of the server's own status (grpc/grpc#36066): on a Lookahead stream,
+    whose drafts go up while steps come down, the real status (an eviction, a full KV budget)
+    is lost. Reopening with the committed context is always safe; the output is unchanged."""
+    return (err.code() == grpc.StatusCode.INTERNAL
+            and (err.details() or "") == "Internal error from Core")
+
+
 def _retry_after_ms(err: grpc.aio.AioRpcError) -> float | None:
     for key, value in err.trailing_metadata() or ():
         if key == "retry-after-ms":
@@ -829,7 +838,8 @@ class Device:
                 progressed = len(rounds.committed) > before
                 stalled = 0 if progressed else stalled + 1
                 exhausted = err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and progressed
-                if not (_is_evicted(err) or exhausted) or stalled >= MAX_REOPENS:
+                if not (_is_evicted(err) or exhausted or _lost_to_a_write(err)) \
+                        or stalled >= MAX_REOPENS:
                     raise
                 record.reopens += 1
                 if exhausted:  # the KV budget was full for its next forward: back off

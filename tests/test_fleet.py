@@ -301,7 +301,11 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
     evicts the first session on its second Verify, answers the first OpenSession with
     RESOURCE_EXHAUSTED, and suggests K = 1 in every reply."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, stream_end: tuple[grpc.StatusCode, str] = (
+            grpc.StatusCode.NOT_FOUND,
+            "session abcd1234... was evicted to free memory; reopen it")) -> None:
+        # The status the second Lookahead stream ends with after its two steps.
+        self.stream_end = stream_end
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.opens = 0
@@ -364,13 +368,18 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
             if self.streams == 2 and steps == 2:
                 call.cancel()
                 self.evicted += 1
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    "session abcd1234... was evicted to free memory; reopen it")
+                await context.abort(*self.stream_end)
 
 
-@pytest.mark.parametrize("protocol", ["rounds", "lookahead"])
+# grpc.aio's status for a client write that met a stream the server had just ended
+# (grpc/grpc#36066): the server's own status is lost, and the client must reopen.
+LOST_TO_A_WRITE = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+
+
+@pytest.mark.parametrize("protocol, stream_end", [
+    ("rounds", None), ("lookahead", None), ("lookahead", LOST_TO_A_WRITE)])
 def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_pair, tmp_path,
-                                                           protocol):
+                                                           protocol, stream_end):
     # Bounded by count (every prompt once), not by time, and drafting whenever the server
     # suggests K > 0 (not by measured rate), so a slow machine runs the same rounds.
     kw = {"clients": 1, "workload": "chat", "profile": "none", "duration_s": 120.0,
@@ -379,7 +388,7 @@ def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_
                                    **kw))
 
     async def through_proxy():
-        proxy = MeddlingProxy(verifier.address)
+        proxy = MeddlingProxy(verifier.address, *([stream_end] if stream_end else []))
         server = grpc.aio.server()
         pb_grpc.add_VerifierServicer_to_server(proxy, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -397,7 +406,12 @@ def test_reopen_after_eviction_and_backoff_keep_the_output(verifier, tiny_llama_
     res, proxy = asyncio.run(through_proxy())
     a = res["aggregate"]
     assert proxy.evicted == 1 and a["reopens"] == 1
-    assert a["errors"] == {"RESOURCE_EXHAUSTED": 1, "NOT_FOUND": 1}
+    evicted = [{"RESOURCE_EXHAUSTED": 1, (stream_end or [grpc.StatusCode.NOT_FOUND])[0].name: 1}]
+    if protocol == "lookahead":
+        # The client's lookahead for step 2 may meet the stream the proxy just ended: grpc.aio
+        # then reports INTERNAL in place of NOT_FOUND; the client reopens all the same.
+        evicted.append({"RESOURCE_EXHAUSTED": 1, "INTERNAL": 1})
+    assert a["errors"] in evicted, a["errors"]
     assert a["requests_failed"] == 0
     got = completed_outputs(res)
     assert len(got) == len(want) == 4 and a["requests_completed"] == 4

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 SPAWN_READY_TIMEOUT_S = 300.0
 SCRAPE_EVERY_S = 0.5
 KV_METRIC = "edgespec_kv_cache_bytes"
+PREEMPTIONS_METRIC = "edgespec_num_preemptions_total"
 # The verifier's online fit of what a forward costs (cloud_verifier.draft_policy), as the
 # report names it: key -> (gauge, scale from the gauge's unit to the key's).
 COST_METRICS = {"fixed_ms": ("edgespec_verify_cost_fixed_seconds", 1000.0),
@@ -44,6 +45,8 @@ class VerifierReport:
     kv_budget_bytes: int | None = None
     kv_peak_bytes: float | None = None  # largest scraped value
     scrapes: int = 0
+    # Sessions whose KV was dropped for an older one's round (last scraped count).
+    preemptions: float | None = None
     peak_rss_bytes: int | None = None
     exit_code: int | None = None  # 0: drained and stopped cleanly on SIGTERM
     # Last scraped verify-cost fit: fixed_ms, session_cost and token_cost (relative).
@@ -108,7 +111,8 @@ class _KVWatcher(threading.Thread):
 
     def scrape(self) -> None:
         try:
-            values = scrape_gauges(self.url, {KV_METRIC, *(m for m, _ in COST_METRICS.values())})
+            values = scrape_gauges(self.url, {KV_METRIC, PREEMPTIONS_METRIC,
+                                              *(m for m, _ in COST_METRICS.values())})
         except OSError:
             return  # not up yet, or shutting down
         r = self.report
@@ -116,6 +120,7 @@ class _KVWatcher(threading.Thread):
         if value is not None:
             r.scrapes += 1
             r.kv_peak_bytes = value if r.kv_peak_bytes is None else max(r.kv_peak_bytes, value)
+        r.preemptions = values.get(PREEMPTIONS_METRIC, r.preemptions)
         if values.get(COST_METRICS["fixed_ms"][0], 0.0) > 0:  # 0 until the verifier's first fit
             r.verify_cost_fit = {key: values[name] * scale
                                  for key, (name, scale) in COST_METRICS.items() if name in values}

@@ -443,6 +443,7 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     assert v["spawned"] and v["exit_code"] == 0 and v["threads"] == 1
     assert v["scrapes"] > 0 and 0 < v["kv_peak_bytes"] <= v["kv_budget_bytes"] == 8 * 2**20
     assert v["kv_within_budget"] is True and v["peak_rss_mb"] > 10
+    assert v["preemptions"] is not None  # scraped from the verifier
     # ... including the verify-cost fit its draft-length suggestions came from.
     fit = v["verify_cost_fit"]
     assert fit["fixed_ms"] > 0 and fit["session_cost"] >= 0 and fit["token_cost"] >= 0

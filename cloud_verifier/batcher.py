@@ -166,11 +166,12 @@ class RoundBatcher:
         the others go back to the front of the queue, or fail if they waited too long or
         could never fit."""
         engine = self.engine
-        needed = engine.kv_growth_bytes([(t.session, t.draft) for t in batch])
+        rounds = [(t.session, t.draft) for t in batch]
+        needed = engine.kv_growth_bytes(rounds)
         if engine.kv.fits(needed):
             return batch
         self._evict(needed, {t.session.id for t in batch})
-        if engine.kv.fits(engine.kv_growth_bytes([(t.session, t.draft) for t in batch])):
+        if engine.kv.fits(engine.kv_growth_bytes(rounds)):
             return batch
         admitted: list[Ticket] = []
         waiting: list[Ticket] = []
@@ -190,9 +191,10 @@ class RoundBatcher:
                     f"older sessions for {self.kv_wait_s:g} s; retry later"))
             else:
                 waiting.append(ticket)
-        order = {id(t): i for i, t in enumerate(batch)}
-        self._queue.extendleft(sorted(waiting, key=lambda t: -order[id(t)]))
-        return sorted(admitted, key=lambda t: order[id(t)])
+        # Both keep the batch's (arrival) order; waiting rounds stay ahead of newer ones.
+        waits, runs = set(map(id, waiting)), set(map(id, admitted))
+        self._queue.extendleft(reversed([t for t in batch if id(t) in waits]))
+        return [t for t in batch if id(t) in runs]
 
     def _make_room(self, ticket: Ticket, admitted: list[Ticket]) -> bool:
         """Reserves the round's KV memory, preempting younger sessions (youngest first) that

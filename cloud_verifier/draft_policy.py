@@ -57,6 +57,15 @@ def suggest_draft_len(alpha: float, batch_sessions: int, max_k: int,
     return best_k
 
 
+def draft_token_cost(batch_sessions: int, token_cost: float = DEFAULT_TOKEN_COST,
+                     session_cost: float = DEFAULT_SESSION_COST) -> float:
+    """What one more verified token costs a session in a forward of ``batch_sessions``,
+    relative to that session's share of the forward without drafts: ``t * B / (1 + s * B)``.
+    ``suggest_draft_len`` maximises ``E(K) / (1 + this * (K + 1))``; clients that send
+    confidences maximise the same with their own E (``shared.draft_length``)."""
+    return token_cost * batch_sessions / (1.0 + session_cost * batch_sessions)
+
+
 class VerifyCostModel:
     """The verify cost ``ms = a + s * sessions + t * tokens``, fitted online to the forwards
     the batcher actually runs, so the suggestion follows the machine and the model it serves

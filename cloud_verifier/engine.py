@@ -43,6 +43,14 @@ class DraftRound:
     tokens: list[int]  # [K]
     # Sparse q per position as (token ids, probs); None when every draft is a point mass.
     q: list[tuple[list[int], list[float]]] | None
+    # The draft's confidence in each d_i (shared.draft_length); None when not sent.
+    confidence: list[float] | None = None
+
+    def window(self, start: int, stop: int) -> DraftRound:
+        """Drafts d_{start+1} .. d_stop with their q and confidences."""
+        q, c = self.q, self.confidence
+        return DraftRound(self.tokens[start:stop], None if q is None else q[start:stop],
+                          None if c is None else c[start:stop])
 
 
 # A round without drafts: one plain target step (K = 0).

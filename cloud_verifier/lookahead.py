@@ -30,5 +30,4 @@ def fresh_drafts(lookahead: Lookahead | None, committed: Sequence[int], k: int) 
     tokens = lookahead.draft.tokens
     if not 0 <= done < len(tokens) or list(committed[lookahead.base:]) != tokens[:done]:
         return NO_DRAFT
-    q = lookahead.draft.q
-    return DraftRound(tokens[done:done + k], None if q is None else q[done:done + k])
+    return lookahead.draft.window(done, done + k)

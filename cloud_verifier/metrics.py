@@ -57,7 +57,8 @@ class VerifierMetrics:
             "edgespec_lookahead_forwards",
             "Forwards of Lookahead streams, by what the latest lookahead gave: fresh (drafts "
             "verified), stale (it no longer continued the text, or was used up), none (none "
-            "received yet, or drafting did not pay).", ["lookahead"], registry=r)
+            "received yet, or drafting did not pay), unsure (fresh, but its confidences made "
+            "no draft worth verifying).", ["lookahead"], registry=r)
         self.evictions = Counter("edgespec_session_evictions",
                                  "Sessions evicted, by reason.", ["reason"], registry=r)
         self.preemptions = Counter(

@@ -21,7 +21,12 @@ import grpc
 
 from cloud_verifier.batcher import RoundAbandoned, RoundBatcher, Ticket
 from cloud_verifier.config import VerifierConfig, key_digest
-from cloud_verifier.draft_policy import PROBE_EVERY, VerifyCostModel, suggest_draft_len
+from cloud_verifier.draft_policy import (
+    PROBE_EVERY,
+    VerifyCostModel,
+    draft_token_cost,
+    suggest_draft_len,
+)
 from cloud_verifier.engine import NO_DRAFT, DraftRound, VerifierEngine
 from cloud_verifier.errors import (
     ContextTooLong,
@@ -50,6 +55,7 @@ from cloud_verifier.wire import (
     result_to_pb,
 )
 from shared.continue_stream import ends_stream
+from shared.draft_length import worth_verifying
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
@@ -277,26 +283,36 @@ class VerifierService(pb_grpc.VerifierServicer):
                     else Lookahead(len(params.prompt), params.first_draft)]
                 reader = self._spawn(self._read_lookaheads(requests, session, latest))
                 k = self.config.max_draft_len
+                token_price = self._draft_token_cost(len(self.batcher) + 1)
                 for round_no in itertools.count():
                     if reader.done() and reader.exception() is not None:
                         raise reader.exception()
                     room = self.engine.max_context - len(session.committed) - 1
-                    draft = fresh_drafts(latest[0], session.committed, min(k, room))
-                    self.metrics.lookahead_forwards.labels(
-                        "fresh" if draft.tokens else
-                        "none" if latest[0] is None or min(k, room) <= 0 else "stale").inc()
+                    # A lookahead with confidences is cut by their worth, not by k.
+                    confident = latest[0] is not None and latest[0].draft.confidence is not None
+                    cap = min(self.config.max_draft_len if confident else k, room)
+                    draft = fresh_drafts(latest[0], session.committed, cap)
+                    label = ("fresh" if draft.tokens else
+                             "none" if latest[0] is None or cap <= 0 else "stale")
+                    if draft.confidence is not None:
+                        draft = draft.window(0, worth_verifying(draft.confidence, token_price))
+                        if not draft.tokens:
+                            label = "unsure"
+                    self.metrics.lookahead_forwards.labels(label).inc()
                     before = len(session.committed)
                     # No round of this stream is ever retried, so no digest identifies one.
                     result = await self._round(session, round_no, draft, b"", False,
                                                follow_up=True)
                     k = result.suggested_draft_len
+                    token_price = result.draft_token_cost
                     tokens = draft.tokens[:result.num_accepted] + [result.next_token]
                     yield pb.LookaheadStep(
                         token_ids=tokens[:result.committed_length - before],
                         num_drafted=len(draft.tokens), num_accepted=result.num_accepted,
                         committed_length=result.committed_length, finished=result.finished,
                         timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
-                        suggested_draft_len=result.suggested_draft_len)
+                        suggested_draft_len=result.suggested_draft_len,
+                        draft_token_cost=token_price)
                     if result.finished:
                         break
                 # The RPC ends once the client half-closes or hangs up (or after a grace):
@@ -308,6 +324,10 @@ class VerifierService(pb_grpc.VerifierServicer):
                 reader.cancel()
             if session is not None and not session.finished:
                 self._spawn(self._close_when_idle(session.id, session.owner))
+
+    def _draft_token_cost(self, load: int) -> float:
+        session_cost, token_cost = self.batcher.cost_model.relative_costs()
+        return draft_token_cost(load, token_cost, session_cost)
 
     async def _read_lookaheads(self, requests, session: Session,
                                latest: list[Lookahead | None]) -> None:
@@ -409,13 +429,15 @@ class VerifierService(pb_grpc.VerifierServicer):
             session_cost, token_cost = self.batcher.cost_model.relative_costs()
             suggested = suggest_draft_len(session.acceptance.alpha, load,
                                           self.config.max_draft_len, token_cost, session_cost)
+            token_price = self._draft_token_cost(load)
             if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
                 suggested = 1  # keep measuring acceptance
             result = RoundResult(
                 round=round_no, num_accepted=outcome.num_accepted,
                 next_token=outcome.next_token, committed_length=len(session.committed),
                 finished=outcome.finished, target_forwards=1, queue_ns=ticket.queue_ns,
-                forward_ns=outcome.forward_ns, suggested_draft_len=suggested)
+                forward_ns=outcome.forward_ns, suggested_draft_len=suggested,
+                draft_token_cost=token_price)
             session.last_result = result
             session.last_draft_digest = digest
             self.store.touch(session)

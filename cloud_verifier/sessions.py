@@ -62,6 +62,7 @@ class RoundResult:
     queue_ns: int
     forward_ns: int
     suggested_draft_len: int = 0
+    draft_token_cost: float | None = None
 
 
 @dataclass

@@ -72,15 +72,29 @@ def parse_draft(msg: pb.Draft, limits: Limits) -> DraftRound:
         raise InvalidRequest(f"draft has {k} tokens; this verifier accepts at most "
                              f"{limits.max_draft_len} per round")
     tokens = _check_token_ids(msg.token_ids, limits.vocab_size, "draft.token_ids")
+    confidence = _parse_confidence(msg.confidence, k)
     if not msg.q:
-        return DraftRound(tokens=tokens, q=None)
+        return DraftRound(tokens=tokens, q=None, confidence=confidence)
     if len(msg.q) != k:
         raise InvalidRequest(f"draft.q has {len(msg.q)} entries; it must be empty "
                              f"(point-mass drafts) or one per draft token ({k})")
     q = []
     for i, (token, dist) in enumerate(zip(tokens, msg.q, strict=True)):
         q.append(_parse_distribution(dist, token, i, limits.vocab_size))
-    return DraftRound(tokens=tokens, q=q)
+    return DraftRound(tokens=tokens, q=q, confidence=confidence)
+
+
+def _parse_confidence(values, k: int) -> list[float] | None:
+    if not values:
+        return None
+    if len(values) != k:
+        raise InvalidRequest(f"draft.confidence has {len(values)} entries; it must be empty "
+                             f"or one per draft token ({k})")
+    out = [float(c) for c in values]
+    for i, c in enumerate(out):
+        if not 0 <= c <= 1:  # also false for NaN
+            raise InvalidRequest(f"draft.confidence[{i}] = {c} is not a probability in [0, 1]")
+    return out
 
 
 def _parse_distribution(dist: pb.SparseDistribution, drafted: int, i: int,
@@ -146,7 +160,8 @@ def result_to_pb(result: RoundResult) -> pb.RoundResult:
         committed_length=result.committed_length, finished=result.finished,
         target_forwards=result.target_forwards,
         timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
-        suggested_draft_len=result.suggested_draft_len)
+        suggested_draft_len=result.suggested_draft_len,
+        draft_token_cost=result.draft_token_cost)
 
 
 def parse_generate(msg: pb.GenerateRequest, limits: Limits,

@@ -268,11 +268,12 @@ class Generation:
 
     def _propose(self, drafter: Drafter, state: GenerationRounds,
                  k: int | None = None) -> Proposal:
-        """``k`` drafts after the committed text (default: the next round's K)."""
+        """``k`` drafts after the committed text for a lookahead, or (by default) the next
+        round's drafts, cut to what is worth verifying."""
         t0 = time.perf_counter()
         proposal = drafter.propose(state.committed, state.next_k() if k is None else k)
         self.stats.draft_s += time.perf_counter() - t0
-        return proposal
+        return proposal if k is not None else state.worth_sending(proposal)
 
     def _account(self, drafted: int, accepted: int, emitted: int, forwards: int,
                  timing: pb.Timing) -> None:

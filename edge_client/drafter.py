@@ -39,6 +39,13 @@ class Proposal:
     tokens: list[int]  # [K]
     # Per position (ids, probs) of the q sampled from; None for argmax (point-mass) drafts.
     q: list[tuple[np.ndarray, np.ndarray]] | None
+    # The draft's probability of each greedy d_i (shared.draft_length); None if not known.
+    confidence: list[float] | None = None
+
+    def prefix(self, k: int) -> Proposal:
+        q, c = self.q, self.confidence
+        return Proposal(self.tokens[:k], None if q is None else q[:k],
+                        None if c is None else c[:k])
 
 
 class ModelDrafter:
@@ -70,10 +77,12 @@ class ModelDrafter:
         logits = self._feed(committed[len(self._fed):])
         tokens: list[int] = []
         q: list[tuple[np.ndarray, np.ndarray]] = []
+        confidence: list[float] = []
         s = self.sampling
         for i in range(k):
             if s.is_greedy:
                 token = int(np.argmax(logits))
+                confidence.append(top_probability(logits))
             else:
                 ids, probs = truncated_distribution(logits, s.temperature, s.top_k, s.top_p,
                                                     s.max_support)
@@ -82,10 +91,18 @@ class ModelDrafter:
             tokens.append(token)
             if i < k - 1:
                 logits = self._feed([token])
-        return Proposal(tokens, None if s.is_greedy else q)
+        if s.is_greedy:
+            return Proposal(tokens, None, confidence)
+        return Proposal(tokens, q)
 
     def _feed(self, tokens: list[int]) -> np.ndarray:
         logits = self.model.forward(self.cache, tokens)  # [n, V]
         self._fed.extend(tokens)
         self.forward_calls += 1
         return logits[-1]
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the argmax: a greedy draft's confidence in its token."""
+    z = np.asarray(logits, dtype=np.float64)
+    return float(1.0 / np.exp(z - z.max()).sum())

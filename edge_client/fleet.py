@@ -109,7 +109,7 @@ MODES = ("spec", "baseline")
 PROTOCOLS = ("lookahead", "rounds")
 DRAFT_SOURCES = ("model", "replay")
 PERCENTILES = (50, 95, 99)
-REPLAY_FORMAT = 2  # bump when Recording changes
+REPLAY_FORMAT = 3  # bump when Recording changes
 
 
 class NotLoopback(ValueError):
@@ -141,6 +141,9 @@ class FleetConfig:
     drafts: str = "replay"
     protocol: str = "lookahead"
     draft_len: int = 4
+    # Greedy drafts carry the draft's confidences, and the server's draft_token_cost cuts them
+    # (shared.draft_length); off: the suggested_draft_len alone decides (an A/B switch).
+    confidence: bool = True
     # Spec clients pick drafting or Continue by measured rate (edge_client.rate_chooser);
     # off: draft whenever the server's suggestion allows.
     adaptive: bool = True
@@ -521,6 +524,7 @@ class Recording:
     max_new_tokens: int
     continuation: list[int]
     proposals: list[list[int]]  # [j]: K greedy drafts after prompt + continuation[:j]
+    confidences: list[list[float]]  # [j]: the draft's probability of each of them
 
     def covers(self, request: Request) -> bool:
         return (self.max_new_tokens >= request.max_new_tokens
@@ -552,7 +556,7 @@ class ReplayBook:
             k: asdict(v) for k, v in self.recordings.items()}}))
         tmp.replace(self.path)
 
-    def lookup(self, request: Request, committed: list[int], k: int) -> list[int] | None:
+    def lookup(self, request: Request, committed: list[int], k: int) -> Proposal | None:
         rec = self.recordings.get(request.key)
         if rec is None:
             return None
@@ -560,7 +564,7 @@ class ReplayBook:
         if j >= len(rec.proposals) or committed[len(request.prompt_ids):] != \
                 rec.continuation[:j] or len(rec.proposals[j]) < k:
             return None
-        return rec.proposals[j][:k]
+        return Proposal(rec.proposals[j][:k], None, rec.confidences[j][:k])
 
 
 def draft_identity(draft_dir: Path) -> list:
@@ -570,12 +574,9 @@ def draft_identity(draft_dir: Path) -> list:
 
 
 def greedy_proposals(model, prompt: list[int], continuation: list[int],
-                     k: int) -> list[list[int]]:
+                     k: int) -> list[Proposal]:
     drafter = ModelDrafter(model, DraftSampling(), np.random.default_rng(0))
-    out = []
-    for j in range(len(continuation)):
-        out.append(drafter.propose(prompt + continuation[:j], k).tokens if k else [])
-    return out
+    return [drafter.propose(prompt + continuation[:j], k) for j in range(len(continuation))]
 
 
 async def record_replay(book: ReplayBook, address: str, requests: list[Request],
@@ -610,7 +611,9 @@ async def record_replay(book: ReplayBook, address: str, requests: list[Request],
                     tokens.extend(ids)
         proposals = await asyncio.to_thread(greedy_proposals, model, list(req.prompt_ids),
                                             tokens, k)
-        book.recordings[req.key] = Recording(req.max_new_tokens, tokens, proposals)
+        book.recordings[req.key] = Recording(req.max_new_tokens, tokens,
+                                             [p.tokens for p in proposals],
+                                             [p.confidence or [] for p in proposals])
         bar.update(1)
 
     try:
@@ -626,8 +629,9 @@ class DraftSource:
     """Proposals for one device: the ONNX model, or the replay book (model on a miss)."""
 
     def __init__(self, kind: str, model_factory: Callable, sampling: DraftSampling,
-                 book: ReplayBook | None) -> None:
+                 book: ReplayBook | None, confidence: bool = True) -> None:
         self.kind = kind
+        self.confidence = confidence
         self._model_factory = model_factory
         self.sampling = sampling
         self.book = book
@@ -648,12 +652,16 @@ class DraftSource:
             return proposal
 
         async def propose(committed: list[int], k: int) -> Proposal:
+            proposal = await lookup_or_draft(committed, k)
+            return proposal if self.confidence else Proposal(proposal.tokens, proposal.q)
+
+        async def lookup_or_draft(committed: list[int], k: int) -> Proposal:
             if self.book is None or k == 0:
                 return await from_model(committed, k) if k else NO_DRAFTS
-            tokens = self.book.lookup(request, committed, k)
-            if tokens is not None:
+            proposal = self.book.lookup(request, committed, k)
+            if proposal is not None:
                 self.hits += 1
-                return Proposal(tokens, None)
+                return proposal
             self.misses += 1
             return await from_model(committed, k)
 
@@ -747,7 +755,7 @@ class Device:
         session_id: str | None = None
         retry_verify = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         try:
-            proposal = await propose(rounds.committed, rounds.next_k())
+            proposal = rounds.worth_sending(await propose(rounds.committed, rounds.next_k()))
             opened = await self.link.unary("OpenSession", rounds.open_request(proposal), ())
             session_id = opened.session_id
             self._apply(record, rounds, proposal, opened.first_round, time.perf_counter())
@@ -765,7 +773,8 @@ class Device:
                         rounds.observe(CONTINUE, len(rounds.committed) - before, at - t0)
                         continue
                     t0 = time.perf_counter()
-                    proposal = await propose(rounds.committed, rounds.next_k())
+                    proposal = rounds.worth_sending(
+                        await propose(rounds.committed, rounds.next_k()))
                     result = (await self.link.unary(
                         "Verify", rounds.verify_request(session_id, proposal),
                         retry_verify)).result
@@ -787,7 +796,8 @@ class Device:
                     record.reopens += 1
                     session_id = None
                     if proposal is None:  # evicted during a Continue stream
-                        proposal = await propose(rounds.committed, rounds.next_k())
+                        proposal = rounds.worth_sending(
+                            await propose(rounds.committed, rounds.next_k()))
                     opened = await self.link.unary("OpenSession",
                                                    rounds.reopen_request(proposal), ())
                     session_id = opened.session_id
@@ -1043,7 +1053,7 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
         err = Counter()
         errors.append(err)
         kind = workload.kind_of(config.workload, i)
-        source = (DraftSource(config.drafts, model_factory, sampling, book)
+        source = (DraftSource(config.drafts, model_factory, sampling, book, config.confidence)
                   if config.mode == "spec" else None)
         if source is not None:
             drafts.append(source)
@@ -1076,7 +1086,7 @@ async def _warm_up(address: str, config: FleetConfig, workload: Workload, limits
         link = DeviceLink(address, NetEm(profile("none"), np.random.default_rng(0)),
                           config.deadline_s, time.perf_counter() + config.deadline_s,
                           np.random.default_rng(0), Counter())
-        source = (DraftSource(config.drafts, model_factory, sampling, book)
+        source = (DraftSource(config.drafts, model_factory, sampling, book, config.confidence)
                   if config.mode == "spec" else None)
         device = Device(-1, kind, dataclasses.replace(config, think_ms=0.0), link, limits,
                         source, iter([request]), np.random.default_rng(0))
@@ -1143,6 +1153,8 @@ def _report(address: str, config: FleetConfig, info: pb.GetInfoResponse,
         "protocol": config.protocol if config.mode == "spec" else None,
         "replay_recorded_requests": recorded,
         "draft_len": config.draft_len,
+        "confidence": (config.confidence and config.temperature == 0
+                       if config.mode == "spec" else None),
         "adaptive": (config.adaptive if config.mode == "spec" and config.protocol == "rounds"
                      else None),
         "temperature": config.temperature,
@@ -1214,6 +1226,9 @@ def add_common_args(p) -> None:
                         "Verify round trip per round (with Continue streams when drafting "
                         "does not pay)")
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
+    p.add_argument("--no-confidence", action="store_true",
+                   help="greedy drafts go without the draft's confidences, so the server's "
+                        "suggested draft length alone decides how many it verifies (A/B)")
     p.add_argument("--no-adaptive", action="store_true",
                    help="spec clients draft whenever the server's suggestion allows, instead "
                         "of choosing drafting or server-side decoding by measured rate")
@@ -1248,7 +1263,8 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
     return FleetConfig(
         clients=clients, duration_s=duration_s, profile=profile_name, workload=args.workload,
         mode=mode, drafts=args.drafts, protocol=args.protocol, draft_len=args.draft_len,
-        adaptive=not args.no_adaptive, chat_tokens=args.chat_tokens,
+        confidence=not args.no_confidence, adaptive=not args.no_adaptive,
+        chat_tokens=args.chat_tokens,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
         seed=args.seed, deadline_s=args.deadline, max_requests=args.max_requests,
         progress=not args.no_progress)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from edge_client.drafter import Proposal
 from edge_client.rate_chooser import CONTINUE, RateChooser
+from shared.draft_length import worth_verifying
 from shared.pb import verifier_pb2 as pb
 
 
@@ -54,7 +55,7 @@ class ServerLimits:
 
 
 def draft_to_pb(proposal: Proposal) -> pb.Draft:
-    draft = pb.Draft(token_ids=proposal.tokens)
+    draft = pb.Draft(token_ids=proposal.tokens, confidence=proposal.confidence or ())
     for ids, probs in proposal.q or ():
         draft.q.add(token_ids=ids.tolist(), probs=probs.tolist())
     return draft
@@ -88,6 +89,10 @@ class GenerationRounds:
         self.committed = list(prompt_ids)  # prompt + generated
         self.round_no = 0  # the number of the next round of the current session
         self.suggested: int | None = None  # the last reply's suggested_draft_len
+        self.token_cost: float | None = None  # the last reply's draft_token_cost
+        # Whether the drafts carry confidences: then the server's draft_token_cost, not its
+        # suggested_draft_len, decides how many are sent (``worth_sending``).
+        self.confident = False
         self.finished = False
         self.reopens = 0
 
@@ -102,15 +107,28 @@ class GenerationRounds:
     def next_k(self) -> int:
         """K for the next round: ours, capped by the server's suggestion and the room left."""
         k = self.draft_len
-        if self.follow_suggestion and self.suggested is not None:
+        if self.follow_suggestion and self.suggested is not None and not self.cut_by_cost:
             k = min(k, self.suggested)
         room = self.limits.max_context - len(self.committed) - 1
         return max(0, min(k, self.limits.max_draft_len, self.remaining - 1, room))
+
+    @property
+    def cut_by_cost(self) -> bool:
+        return self.follow_suggestion and self.confident and self.token_cost is not None
+
+    def worth_sending(self, proposal: Proposal) -> Proposal:
+        """The drafts of ``proposal`` to send in a round: with confidences and the server's
+        draft_token_cost, the prefix worth verifying (shared.draft_length), else all."""
+        self.confident = proposal.confidence is not None
+        if not self.cut_by_cost:
+            return proposal
+        return proposal.prefix(worth_verifying(proposal.confidence, self.token_cost))
 
     def open_request(self, proposal: Proposal) -> pb.OpenSessionRequest:
         """Opens (or reopens) a session over everything committed so far."""
         p = self.params
         self.round_no = 0
+        self.confident = proposal.confidence is not None
         return pb.OpenSessionRequest(
             prompt_token_ids=self.committed,
             sampling=pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
@@ -156,13 +174,16 @@ class GenerationRounds:
     def lookahead_len(self, opening: bool = False) -> int:
         """Drafts for a Lookahead stream's next lookahead: 2K + 1 for the round's K (the
         server takes K a forward; the rest covers what it commits while the lookahead is on
-        its way), or K when it opens the session (its first round verifies them at once)."""
+        its way), or K when it opens the session (its first round verifies them at once).
+        With confidences, K is our draft_len whatever the suggestion."""
         k = self.next_k()
         room = min(self.limits.max_draft_len, self.remaining - 1,
                    self.limits.max_context - len(self.committed) - 1)
         return max(0, min(k if opening else 2 * k + 1, room))
 
     def lookahead_request(self, proposal: Proposal) -> pb.LookaheadRequest:
+        """A lookahead goes whole: the server cuts what it verifies by its confidences."""
+        self.confident = proposal.confidence is not None
         return pb.LookaheadRequest(lookahead=pb.LookaheadDraft(
             base_length=len(self.committed), draft=draft_to_pb(proposal)))
 
@@ -177,6 +198,7 @@ class GenerationRounds:
                                 f"drafts and commits {new}")
         self._commit(new, step.committed_length, step.finished)
         self.suggested = step.suggested_draft_len
+        self.token_cost = step.draft_token_cost if step.HasField("draft_token_cost") else None
         return new
 
     def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
@@ -197,6 +219,8 @@ class GenerationRounds:
         self.round_no += 1
         self.suggested = (result.suggested_draft_len
                           if result.HasField("suggested_draft_len") else None)
+        self.token_cost = (result.draft_token_cost
+                           if result.HasField("draft_token_cost") else None)
         return new
 
     def _commit(self, new: list[int], committed_length: int, finished: bool) -> None:

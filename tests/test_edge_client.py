@@ -155,6 +155,33 @@ def test_draft_cache_resync_matches_a_fresh_cache(tiny_llama_pair, accepted):
     assert drafter.propose(committed, 3).tokens == fresh.propose(committed, 3).tokens
 
 
+def test_greedy_drafts_carry_their_top_probability(tiny_llama_pair):
+    model = OnnxDraftModel(tiny_llama_pair.draft_dir)
+    proposal = ModelDrafter(model, DraftSampling(), np.random.default_rng(0)).propose(PROMPT, 3)
+    logits = model.forward(model.new_cache(), PROMPT + proposal.tokens[:2])[-3:]
+    z = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(proposal.confidence, (z / z.sum(axis=1, keepdims=True)).max(1),
+                               rtol=1e-5)
+    sampled = ModelDrafter(model, DraftSampling(temperature=0.8), np.random.default_rng(0))
+    assert sampled.propose(PROMPT, 3).confidence is None  # not measured for sampling drafts
+
+
+def test_a_client_sends_no_draft_the_server_prices_out(target, tiny_llama_pair):
+    """A verifier that prices every verified draft token at 50 forwards: after the first
+    reply brings that price, a confidence-following client sends no drafts; the output is
+    still the target's."""
+    want = hf_greedy(target, PROMPT, 20)
+    config = VerifierConfig(port=0, verify_token_cost=50.0, fit_verify_cost=False)
+    with EmbeddedVerifier(target, config) as v, EdgeClient(
+            v.address, tiny_llama_pair.draft_dir) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=20, draft_len=3,
+                                                  ignore_eos=True,
+                                                  follow_suggested_draft_len=True))
+        list(gen)
+    assert gen.token_ids == want
+    assert gen.stats.drafted == 3  # the opening round's drafts only
+
+
 def test_client_refuses_a_verifier_with_another_tokenizer(verifier, tiny_llama_pair, tmp_path):
     other = tmp_path / "draft"
     shutil.copytree(tiny_llama_pair.draft_dir, other)

@@ -84,11 +84,14 @@ def test_fleet_config_rejects_bad_values(bad):
 LIMITS = ServerLimits(vocab_size=96, max_draft_len=8, max_context=64)
 
 
-def result(round_no: int, n: int, token: int, length: int, finished=False, suggested=None):
+def result(round_no: int, n: int, token: int, length: int, finished=False, suggested=None,
+           cost=None):
     reply = pb.RoundResult(round=round_no, num_accepted=n, next_token=token,
                            committed_length=length, finished=finished, target_forwards=1)
     if suggested is not None:
         reply.suggested_draft_len = suggested
+    if cost is not None:
+        reply.draft_token_cost = cost
     return reply
 
 
@@ -123,6 +126,19 @@ def test_rounds_follow_the_suggested_draft_len_and_the_room_left():
     assert r.next_k() == 2  # no suggestion: own K, but only 3 tokens remain
     r.apply(Proposal([1, 2], None), result(3, 2, 9, 7, finished=True))
     assert r.finished and r.remaining == 0
+
+
+def test_rounds_with_confidences_are_cut_by_the_servers_token_cost():
+    r = GenerationRounds([5], SessionParams(max_new_tokens=20), LIMITS, draft_len=6)
+    sure = Proposal([1, 2, 3, 4, 5, 6], None, [0.99, 0.95, 0.6, 0.3, 0.9, 0.9])
+    assert r.worth_sending(sure) == sure  # no cost known yet: all of it
+    r.apply(sure, result(0, 0, 9, 2, suggested=1, cost=0.1))
+    assert r.next_k() == 6  # with confidences the suggestion (1) gives way to the cut
+    sent = r.worth_sending(sure)
+    assert sent.tokens == [1, 2, 3] and sent.confidence == [0.99, 0.95, 0.6]
+    assert r.verify_request("s", sent).draft.confidence == pytest.approx([0.99, 0.95, 0.6])
+    plain = Proposal([1, 2], None)  # a drafter without confidences: the suggestion rules
+    assert r.worth_sending(plain) == plain and r.next_k() == 1
 
 
 def test_rate_chooser_picks_the_faster_mode_and_keeps_measuring_the_other():
@@ -299,7 +315,8 @@ def test_lookahead_protocol_commits_the_baseline_text_on_one_stream_per_request(
 class MeddlingProxy(pb_grpc.VerifierServicer):
     """Forwards to a real verifier, and misbehaves on cue like a loaded server would:
     evicts the first session on its second Verify, answers the first OpenSession with
-    RESOURCE_EXHAUSTED, and suggests K = 1 in every reply."""
+    RESOURCE_EXHAUSTED, and suggests K = 1 in every reply (with no draft_token_cost, so that
+    the suggestion rules)."""
 
     def __init__(self, address: str, stream_end: tuple[grpc.StatusCode, str] = (
             grpc.StatusCode.NOT_FOUND,
@@ -324,6 +341,7 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many rounds queued")
         reply = await self.stub.OpenSession(request)
         reply.first_round.suggested_draft_len = 1
+        reply.first_round.ClearField("draft_token_cost")
         return reply
 
     async def Verify(self, request, context):
@@ -336,6 +354,7 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
                                 "session abcd1234... was evicted to free memory; reopen it")
         reply = await self.stub.Verify(request)
         reply.result.suggested_draft_len = 1
+        reply.result.ClearField("draft_token_cost")
         return reply
 
     async def CloseSession(self, request, context):
@@ -348,6 +367,7 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
     async def Continue(self, request, context):
         async for msg in self.stub.Continue(request):
             msg.suggested_draft_len = 1
+            msg.ClearField("draft_token_cost")
             yield msg
 
     async def Lookahead(self, request_iterator, context):
@@ -363,6 +383,7 @@ class MeddlingProxy(pb_grpc.VerifierServicer):
         async for step in call:
             self.draft_lens.append(step.num_drafted)
             step.suggested_draft_len = 1
+            step.ClearField("draft_token_cost")
             yield step
             steps += 1
             if self.streams == 2 and steps == 2:

@@ -85,9 +85,13 @@ def test_greedy_rounds_reproduce_plain_decoding_through_rejections(stub, target)
         right = want[len(got):len(got) + 2]
         wrong = (want[len(got) + 2] + 1) % target.vocab_size
         draft = right + [wrong, 7]
-        reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=round_no,
-                                             draft=pb.Draft(token_ids=draft))).result
+        # Confidences (odd rounds) only inform the cut, never the verdict.
+        confidence = [0.9, 0.8, 0.3, 0.1] if round_no % 2 else []
+        reply = stub.Verify(pb.VerifyRequest(
+            session_id=opened.session_id, round=round_no,
+            draft=pb.Draft(token_ids=draft, confidence=confidence))).result
         assert reply.num_accepted == 2
+        assert reply.HasField("draft_token_cost") and reply.draft_token_cost >= 0
         assert reply.next_token == want[len(got) + 2]
         got += right + [reply.next_token]
         assert reply.committed_length == len(PROMPT) + len(got)
@@ -194,8 +198,13 @@ def q(ids, probs):
     pb.Draft(token_ids=[5, 6], q=[q([5], [1.0])]),  # q count != K
     pb.Draft(token_ids=[5], q=[q([5, 5], [0.5, 0.5])]),  # duplicate ids
     pb.Draft(token_ids=list(range(3, 12))),  # K = 9 > max_draft_len 8
+    pb.Draft(token_ids=[5, 6], confidence=[0.5]),  # confidence count != K
+    pb.Draft(token_ids=[5], confidence=[1.5]),  # confidence above one
+    pb.Draft(token_ids=[5], confidence=[-0.1]),  # negative confidence
+    pb.Draft(token_ids=[5], confidence=[float("nan")]),  # NaN confidence
 ], ids=["token", "q-token", "negative", "nan", "sum", "missing", "zero-q", "q-count",
-        "duplicate", "k-too-big"])
+        "duplicate", "k-too-big", "confidence-count", "confidence-above-one",
+        "confidence-negative", "confidence-nan"])
 def test_invalid_drafts_are_invalid_argument(stub, draft):
     assert verify_code(stub, draft) == grpc.StatusCode.INVALID_ARGUMENT
 

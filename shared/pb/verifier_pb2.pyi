@@ -51,12 +51,14 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("token_ids", "q")
+    __slots__ = ("token_ids", "q", "confidence")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+    confidence: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "first_draft")
@@ -83,7 +85,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class RoundResult(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len")
+    __slots__ = ("round", "num_accepted", "next_token", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +94,7 @@ class RoundResult(_message.Message):
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_accepted: int
     next_token: int
@@ -100,7 +103,8 @@ class RoundResult(_message.Message):
     target_forwards: int
     timing: Timing
     suggested_draft_len: int
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...
+    draft_token_cost: float
+    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "committed_length", "first_round")
@@ -217,7 +221,7 @@ class LookaheadRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ...) -> None: ...
 
 class LookaheadStep(_message.Message):
-    __slots__ = ("token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "timing", "suggested_draft_len")
+    __slots__ = ("token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "timing", "suggested_draft_len", "draft_token_cost")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +229,7 @@ class LookaheadStep(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: int
     num_accepted: int
@@ -232,4 +237,5 @@ class LookaheadStep(_message.Message):
     finished: bool
     timing: Timing
     suggested_draft_len: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ...) -> None: ...
+    draft_token_cost: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...

@@ -146,7 +146,9 @@ class VerifierServicer:
         tokens drafted after the first base_length committed tokens, with their q. Each forward
         takes the latest lookahead received; when its first tokens equal what has been committed
         after base_length, the rest of it (at most the suggested draft length, and what fits the
-        context) is verified in that forward with lossless speculative sampling; otherwise the
+        context; of a lookahead with confidences, the prefix of that rest worth its cost by the
+        rule of RoundResult.draft_token_cost, at most max_draft_len) is verified in that forward
+        with lossless speculative sampling; otherwise the
         forward decodes one token. A forward never commits fewer tokens than a plain decoding
         step, and the network only decides how many drafts are still fresh when they arrive.
         The stream ends when the generation finishes, and the session closes when the stream

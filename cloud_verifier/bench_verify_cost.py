@@ -19,7 +19,11 @@ these it prints:
 - for each ``--alphas`` value, the best K and the server-throughput ratio it allows,
   max_K E(K) * cost(B, 0) / cost(B, K): an upper bound on spec / baseline tokens/s at that load
   (clients with no network delay and no draft time), so the most speculation can raise capacity
-  on this hardware.
+  on this hardware;
+- for each B whose 2B was measured, the least time per token an ideal speculative server
+  has at 2B sessions, min_K cost(2B, K) / E(K), against the baseline's at B, cost(B, 0): above
+  1, speculative capacity cannot be twice the baseline's where the baseline's limit is B
+  sessions, whatever the clients and the network do.
 """
 
 from __future__ import annotations
@@ -96,6 +100,19 @@ def best_gain(costs: list[float], alpha: float) -> tuple[int, float]:
     return k, gains[k]
 
 
+def doubling_bound(costs: dict[int, list[float]], alpha: float) -> dict[int, tuple[int, float]]:
+    """B -> (K, ratio) for every B whose 2B was measured: ratio = min_K cost(2B, K) / E(K)
+    over cost(B, 0), the ideal speculative time per token at 2B sessions against the
+    baseline's at B."""
+    out = {}
+    for b, base in costs.items():
+        if 2 * b in costs:
+            per_token = [c / expected_tokens(alpha, k) for k, c in enumerate(costs[2 * b])]
+            k = min(range(len(per_token)), key=per_token.__getitem__)
+            out[b] = (k, per_token[k] / base[0])
+    return out
+
+
 def fit_costs(costs: dict[int, list[float]]) -> tuple[float, float, float]:
     """(a, s', t') of ms = a + s' * sessions + t' * tokens, least squares over the forwards of
     two or more tokens; ``costs[B][K]`` is the ms of B sessions x (K + 1) tokens."""
@@ -138,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
             k, gain = best_gain(costs, a)
             cells.append(f"K={k}, {gain:.2f}x")
         print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
+    bounds = {a: doubling_bound(measured, a) for a in args.alphas}
+    if any(bounds.values()):
+        print("\nIdeal spec time per token at 2B sessions / baseline's at B (above 1: no 2x "
+              "capacity at that load):")
+        print("| B -> 2B | " + " | ".join(f"α={a}: best K, ratio" for a in args.alphas) + " |")
+        print("|---" * (1 + len(args.alphas)) + "|")
+        for b in sorted(bounds[args.alphas[0]]):
+            cells = [f"K={bounds[a][b][0]}, {bounds[a][b][1]:.2f}" for a in args.alphas]
+            print(f"| {b} -> {2 * b} | " + " | ".join(cells) + " |")
     try:
         a, s, t = fit_costs(measured)
     except ValueError as exc:

@@ -10,6 +10,7 @@ from cloud_verifier import bench_layout
 from cloud_verifier.bench_verify_cost import (
     best_gain,
     break_even_alpha,
+    doubling_bound,
     fit_costs,
     main,
     prefilled_kvs,
@@ -36,6 +37,16 @@ def test_best_gain_picks_the_k_with_most_tokens_per_forward_time():
     assert best_gain([100.0, 400.0, 900.0], 0.5) == (0, 1.0)
 
 
+def test_doubling_bound_compares_ideal_spec_at_twice_the_load_with_the_baseline():
+    # Baseline at 4 sessions: 100 ms a token. At 8 sessions, K = 1 costs 150 ms for
+    # E(1) = 1.5 tokens at alpha 0.5 -> 100 ms a token (ratio 1.0); K = 2 costs 210 ms for
+    # 1.75 -> 120. Plain decoding at 8 (130) is worse than K = 1.
+    costs = {4: [100.0, 130.0, 180.0], 8: [130.0, 150.0, 210.0]}
+    bound = doubling_bound(costs, 0.5)
+    assert list(bound) == [4]  # 8 -> 16 was not measured
+    assert bound[4][0] == 1 and bound[4][1] == pytest.approx(1.0)
+
+
 def test_fit_recovers_fixed_session_and_token_costs():
     def ms(b, k):
         return 130 + 5 * b + 2 * b * (k + 1)
@@ -50,11 +61,14 @@ def test_fit_recovers_fixed_session_and_token_costs():
 
 
 def test_runs_on_the_tiny_target(tiny_llama_pair, capsys):
-    assert main(["--model", str(tiny_llama_pair.target_dir), "--batches", "1", "3",
+    assert main(["--model", str(tiny_llama_pair.target_dir), "--batches", "1", "2", "3",
                  "--max-k", "2", "--alphas", "0.5", "--repeats", "1"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "3"]
+    out = capsys.readouterr().out.split("\n\n")
+    rows = [line for line in out[0].splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "2", "3"]
     assert all(len(r.split("|")) == len(rows[0].split("|")) for r in rows)
+    doubling = [line for line in out[1].splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in doubling[1:]] == ["1 -> 2"]
 
 
 def test_prefilled_caches_continue_like_the_whole_sequence(target):

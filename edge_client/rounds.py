@@ -54,8 +54,11 @@ class ServerLimits:
         return cls(info.vocab_size, info.max_draft_len, info.max_context)
 
 
-def draft_to_pb(proposal: Proposal) -> pb.Draft:
-    draft = pb.Draft(token_ids=proposal.tokens, confidence=proposal.confidence or ())
+def draft_to_pb(proposal: Proposal, confidence: bool = True) -> pb.Draft:
+    """The wire form; ``confidence=False`` leaves out the confidences (a Verify round is
+    already cut by them on the client, and the verifier uses them only on lookaheads)."""
+    draft = pb.Draft(token_ids=proposal.tokens,
+                     confidence=(proposal.confidence or ()) if confidence else ())
     for ids, probs in proposal.q or ():
         draft.q.add(token_ids=ids.tolist(), probs=probs.tolist())
     return draft
@@ -143,7 +146,7 @@ class GenerationRounds:
 
     def verify_request(self, session_id: str, proposal: Proposal) -> pb.VerifyRequest:
         return pb.VerifyRequest(session_id=session_id, round=self.round_no,
-                                draft=draft_to_pb(proposal))
+                                draft=draft_to_pb(proposal, confidence=False))
 
     def wants_continue(self) -> bool:
         """Whether the next tokens should come from a Continue stream rather than a drafted

@@ -199,9 +199,10 @@ class GenerationRounds:
                 or any(not 0 <= t < self.limits.vocab_size for t in new):
             raise ProtocolError(f"step accepts {step.num_accepted} of {step.num_drafted} "
                                 f"drafts and commits {new}")
+        token_cost = _token_cost(step)
         self._commit(new, step.committed_length, step.finished)
         self.suggested = step.suggested_draft_len
-        self.token_cost = step.draft_token_cost if step.HasField("draft_token_cost") else None
+        self.token_cost = token_cost
         return new
 
     def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
@@ -216,14 +217,14 @@ class GenerationRounds:
         if n > k or not 0 <= result.next_token < self.limits.vocab_size:
             raise ProtocolError(f"reply accepts {n} of {k} drafts with next token "
                                 f"{result.next_token}")
+        token_cost = _token_cost(result)
         new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
                                                            - len(self.committed)]
         self._commit(new, result.committed_length, result.finished)
         self.round_no += 1
         self.suggested = (result.suggested_draft_len
                           if result.HasField("suggested_draft_len") else None)
-        self.token_cost = (result.draft_token_cost
-                           if result.HasField("draft_token_cost") else None)
+        self.token_cost = token_cost
         return new
 
     def _commit(self, new: list[int], committed_length: int, finished: bool) -> None:
@@ -236,3 +237,13 @@ class GenerationRounds:
                                 f"{self.params.max_new_tokens} and the reply says finished="
                                 f"{finished}")
         self.finished = finished
+
+
+def _token_cost(reply) -> float | None:
+    """A reply's draft_token_cost, checked (None when absent)."""
+    if not reply.HasField("draft_token_cost"):
+        return None
+    cost = reply.draft_token_cost
+    if not 0 <= cost < float("inf"):  # also false for NaN
+        raise ProtocolError(f"draft_token_cost {cost} is not a finite cost >= 0")
+    return cost

@@ -141,6 +141,10 @@ def test_rounds_with_confidences_are_cut_by_the_servers_token_cost():
         sure.confidence)  # the verifier cuts lookaheads itself
     plain = Proposal([1, 2], None)  # a drafter without confidences: the suggestion rules
     assert r.worth_sending(plain) == plain and r.next_k() == 1
+    for bad in (-0.5, float("nan"), float("inf")):  # checked before anything is applied
+        with pytest.raises(ProtocolError, match="draft_token_cost"):
+            r.apply(plain, result(1, 0, 9, 3, cost=bad))
+    assert r.round_no == 1 and r.committed == [5, 9]
 
 
 def test_rate_chooser_picks_the_faster_mode_and_keeps_measuring_the_other():

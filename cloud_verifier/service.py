@@ -429,7 +429,7 @@ class VerifierService(pb_grpc.VerifierServicer):
             session_cost, token_cost = self.batcher.cost_model.relative_costs()
             suggested = suggest_draft_len(session.acceptance.alpha, load,
                                           self.config.max_draft_len, token_cost, session_cost)
-            token_price = self._draft_token_cost(load)
+            token_price = draft_token_cost(load, token_cost, session_cost)
             if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
                 suggested = 1  # keep measuring acceptance
             result = RoundResult(

@@ -44,6 +44,9 @@ class VerifierConfig:
     # How long a round may wait for KV memory held by older sessions before it gets
     # RESOURCE_EXHAUSTED.
     kv_wait_s: float = 10.0
+    # Closed sessions' KV caches kept for prompts that start with the same tokens
+    # (cloud_verifier.prefix_cache), at most this many bytes; 0 disables prefix caching.
+    prefix_cache_bytes: int = 256 * 2**20
     # Prometheus HTTP port; None disables the endpoint.
     metrics_port: int | None = None
 
@@ -54,6 +57,8 @@ class VerifierConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.kv_wait_s < 0:
             raise ValueError(f"kv_wait_s must be >= 0, got {self.kv_wait_s}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
         if self.max_context is not None and self.max_context < 2:

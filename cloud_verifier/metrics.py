@@ -67,6 +67,18 @@ class VerifierMetrics:
             "budget (recomputed when they next run).", registry=r)
         self.kv_bytes = Gauge("edgespec_kv_cache_bytes", "Target KV cache bytes allocated.",
                               registry=r)
+        # As vLLM's prefix_cache_queries / prefix_cache_hits: counted in tokens.
+        self.prefix_cache_queries = Counter(
+            "edgespec_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (all but the last of each prompt).",
+            registry=r)
+        self.prefix_cache_hits = Counter(
+            "edgespec_prefix_cache_hits",
+            "Prompt tokens whose keys and values came from the prefix cache.", registry=r)
+        self.prefix_cache_bytes = Gauge(
+            "edgespec_prefix_cache_bytes",
+            "KV cache bytes held by closed sessions for prefix reuse (part of "
+            "edgespec_kv_cache_bytes; freed first under memory pressure).", registry=r)
 
         # The online fit of a forward's cost that the suggested draft length is chosen by
         # (draft_policy.VerifyCostModel): fixed seconds, and session/token costs relative to it.

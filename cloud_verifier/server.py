@@ -172,6 +172,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--kv-wait", type=float, default=10.0,
                    help="seconds a round may wait for KV memory that older sessions hold "
                         "before it gets RESOURCE_EXHAUSTED")
+    p.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                   help="KV cache of closed sessions kept for new prompts that start with the "
+                        "same tokens (per API key; counted in --kv-budget-mb and freed first "
+                        "under memory pressure); 0 disables prefix caching")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
     p.add_argument("--api-keys-file", type=Path, default=None,
@@ -183,6 +187,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         p.error("--verify-token-cost and --verify-session-cost must be >= 0")
     if args.kv_wait < 0:
         p.error("--kv-wait must be >= 0")
+    if args.prefix_cache_mb < 0:
+        p.error("--prefix-cache-mb must be >= 0")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     digests: frozenset[str] = frozenset()
@@ -198,7 +204,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         max_queued_rounds=args.max_queued_rounds, verify_token_cost=args.verify_token_cost,
         verify_session_cost=args.verify_session_cost, fit_verify_cost=not args.fixed_verify_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
-        kv_wait_s=args.kv_wait, session_ttl_s=args.session_ttl, grace_s=args.grace,
+        kv_wait_s=args.kv_wait, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+        session_ttl_s=args.session_ttl, grace_s=args.grace,
         api_key_digests=digests, metrics_port=args.metrics_port)
     return args, config
 

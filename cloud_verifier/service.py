@@ -42,6 +42,7 @@ from cloud_verifier.errors import (
 )
 from cloud_verifier.lookahead import Lookahead, fresh_drafts
 from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.prefix_cache import PrefixCache
 from cloud_verifier.sessions import RoundResult, Session, SessionStore, short_id
 from cloud_verifier.wire import (
     Limits,
@@ -145,8 +146,10 @@ class VerifierService(pb_grpc.VerifierServicer):
         self.config = config
         self.info = info
         self.metrics = metrics
+        self.prefix_cache = PrefixCache(engine.kv, config.prefix_cache_bytes,
+                                        config.session_ttl_s)
         self.store = SessionStore(config.max_sessions, config.session_ttl_s,
-                                  on_close=engine.release)
+                                  on_close=self._retire_kv)
         self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context)
         self.draining = False
         self._background: set[asyncio.Task] = set()
@@ -348,6 +351,11 @@ class VerifierService(pb_grpc.VerifierServicer):
         session = self.store.create(owner, params.sampling, params.prompt,
                                     params.max_new_tokens, params.stop_token_ids)
         self.metrics.active_sessions.set(len(self.store))
+        session.kv = self.prefix_cache.restore(owner, params.prompt)
+        self.metrics.prefix_cache_queries.inc(len(params.prompt) - 1)
+        if session.kv is not None:
+            self.metrics.prefix_cache_hits.inc(session.kv.length)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
         return session
 
     async def _open(self, request: pb.OpenSessionRequest, owner: str) -> pb.OpenSessionResponse:
@@ -462,8 +470,23 @@ class VerifierService(pb_grpc.VerifierServicer):
         m.queue_seconds.observe(queue_ns / 1e9)
         m.forward_seconds.observe(outcome.forward_ns / 1e9)
 
+    def _retire_kv(self, session: Session) -> None:
+        """A closing session's KV buffer goes to the prefix cache, unless the session was
+        evicted to free memory."""
+        kv, session.kv = session.kv, None
+        if kv is None:
+            return
+        if session.evicted:
+            self.engine.kv.release(kv)
+        else:
+            self.prefix_cache.keep(session.owner, session.committed, kv)
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
+
     def _evict_idle(self, needed: int, keep: set[str]) -> None:
-        """Frees least recently used idle sessions until ``needed`` KV bytes fit."""
+        """Frees kept prefixes, then least recently used idle sessions, until ``needed`` KV
+        bytes fit."""
+        self.prefix_cache.free(lambda: self.engine.kv.fits(needed))
+        self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
         for session in self.store.idle_lru():
             if self.engine.kv.fits(needed):
                 return
@@ -521,6 +544,8 @@ class VerifierService(pb_grpc.VerifierServicer):
         while True:
             await asyncio.sleep(period_s)
             expired = self.store.expire_idle()
+            if self.prefix_cache.expire():
+                self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
             if expired:
                 self.metrics.evictions.labels("ttl").inc(expired)
                 self.metrics.active_sessions.set(len(self.store))

@@ -247,3 +247,13 @@ def test_kept_prefixes_go_before_any_idle_session_under_the_kv_budget(target):
         assert metric(server, "edgespec_session_evictions_total", {"reason": "kv_budget"}) == 0
         assert len(service.prefix_cache) == 3  # one made way, the new session's came back
         assert service.engine.kv.bytes_in_use <= budget
+
+
+def test_the_benchmark_runs_and_finds_the_outputs_equal(target, tiny_llama_pair, capsys):
+    from cloud_verifier import bench_prefix_cache
+
+    assert bench_prefix_cache.main(["--model", str(tiny_llama_pair.target_dir), "--contexts",
+                                    "8", "40", "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 8", "| 40"]
+    assert all(r.endswith("| yes |") for r in rows[1:])

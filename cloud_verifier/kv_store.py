@@ -5,9 +5,15 @@ and a ``length``: positions ``[0, length)`` hold the keys and values of committe
 A round writes new positions past ``length`` and then sets ``length`` to what was committed,
 so rolling back rejected drafts moves no data (positions past ``length`` are never read and
 get overwritten). Capacity grows by doubling, so appends are amortised O(1) per token.
+
+Buffers are allocated from the forward's worker thread (a round's room) and from the event
+loop (prefix-cache restores), and freed from the event loop: the byte count and the budget
+check that guards it change under one lock, so the budget holds whichever thread allocates.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -49,6 +55,7 @@ class KVStore:
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * (
             torch.finfo(dtype).bits // 8)
         self.bytes_in_use = 0
+        self._lock = threading.Lock()
 
     def _capacity_for(self, kv: SessionKV | None, length: int) -> int:
         """Double (amortised appends), unless only the exact length fits the budget."""
@@ -73,26 +80,33 @@ class KVStore:
         """A buffer with room for ``length`` positions, growing (and copying) if needed."""
         if kv is not None and kv.capacity >= length:
             return kv
-        capacity = self._capacity_for(kv, length)
-        extra = self.growth_bytes(kv, length)
-        if not self.fits(extra):
-            raise KVBudgetExceeded(
-                f"KV cache budget of {self.budget_bytes} bytes is in use "
-                f"({self.bytes_in_use} bytes); {extra} more are needed")
+        with self._lock:
+            capacity = self._capacity_for(kv, length)
+            extra = self.growth_bytes(kv, length)
+            if not self.fits(extra):
+                raise KVBudgetExceeded(
+                    f"KV cache budget of {self.budget_bytes} bytes is in use "
+                    f"({self.bytes_in_use} bytes); {extra} more are needed")
+            self.bytes_in_use += extra
         two, layers, heads, head_dim = self.shape
-        buffer = torch.empty((two, layers, heads, capacity, head_dim), dtype=self.dtype,
-                             device=self.device)
+        try:
+            buffer = torch.empty((two, layers, heads, capacity, head_dim), dtype=self.dtype,
+                                 device=self.device)
+        except BaseException:
+            with self._lock:
+                self.bytes_in_use -= extra
+            raise
         if kv is None:
             grown = SessionKV(buffer)
         else:
             buffer[:, :, :, :kv.length] = kv.buffer[:, :, :, :kv.length]
             grown = SessionKV(buffer)
             grown.length = kv.length
-        self.bytes_in_use += extra
         return grown
 
     def release(self, kv: SessionKV | None) -> None:
         if kv is not None:
-            self.bytes_in_use -= kv.nbytes
+            with self._lock:
+                self.bytes_in_use -= kv.nbytes
             kv.buffer = kv.buffer[:, :, :, :0]
             kv.length = 0

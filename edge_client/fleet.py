@@ -1214,6 +1214,9 @@ def add_common_args(p) -> None:
                         "unbounded)")
     p.add_argument("--verifier-threads", type=int, default=None,
                    help="with --spawn: the verifier's torch threads (default: one per core)")
+    p.add_argument("--verifier-arg", action="append", default=None, metavar="ARG",
+                   help="with --embedded/--spawn: one more edgespec-verifier argument, e.g. "
+                        "--verifier-arg=--prefix-cache-mb=0 (repeatable; given last)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help="ONNX draft directory; its tokenizer is used in both modes")
     p.add_argument("--workload", choices=WORKLOADS, default="chat")

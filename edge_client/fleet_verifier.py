@@ -42,6 +42,7 @@ class VerifierReport:
 
     spawned: bool
     threads: int | None = None  # torch threads asked of a spawned verifier (None: its default)
+    extra_args: list[str] = field(default_factory=list)  # --verifier-arg values, in order
     kv_budget_bytes: int | None = None
     kv_peak_bytes: float | None = None  # largest scraped value
     scrapes: int = 0
@@ -128,8 +129,10 @@ class _KVWatcher(threading.Thread):
 
 @contextlib.contextmanager
 def spawned_verifier(target: str | None, max_sessions: int, kv_budget_mb: float | None = None,
-                     threads: int | None = None) -> Iterator[FleetVerifier]:
-    """``edgespec-verifier`` in a child process; watched while it runs, stopped on exit."""
+                     threads: int | None = None,
+                     extra_args: list[str] | None = None) -> Iterator[FleetVerifier]:
+    """``edgespec-verifier`` in a child process; watched while it runs, stopped on exit.
+    ``extra_args`` go last on its command line."""
     port, metrics_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1", "--port",
            str(port), "--max-sessions", str(max_sessions), "--metrics-port",
@@ -140,8 +143,10 @@ def spawned_verifier(target: str | None, max_sessions: int, kv_budget_mb: float 
         cmd += ["--kv-budget-mb", str(kv_budget_mb)]
     if threads:
         cmd += ["--threads", str(threads)]
-    report = VerifierReport(spawned=True, threads=threads, kv_budget_bytes=None
-                            if kv_budget_mb is None else int(kv_budget_mb * 2**20))
+    cmd += extra_args or []
+    report = VerifierReport(spawned=True, threads=threads, extra_args=list(extra_args or []),
+                            kv_budget_bytes=None if kv_budget_mb is None
+                            else int(kv_budget_mb * 2**20))
     proc = subprocess.Popen(cmd)
     address = f"127.0.0.1:{port}"
     watcher = _KVWatcher(f"http://127.0.0.1:{metrics_port}/metrics", report)
@@ -178,20 +183,20 @@ def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
     """The --server address, or a verifier started for --embedded / --spawn."""
     max_sessions = args.max_sessions or max(64, 2 * clients)
     kv_budget_mb = getattr(args, "kv_budget_mb", None)
+    extra = list(getattr(args, "verifier_arg", None) or [])
     if getattr(args, "spawn", False):
         with spawned_verifier(args.target, max_sessions, kv_budget_mb,
-                              getattr(args, "verifier_threads", None)) as verifier:
+                              getattr(args, "verifier_threads", None), extra) as verifier:
             yield verifier
         return
     if not args.embedded:
         yield FleetVerifier(args.server)
         return
-    from cloud_verifier.config import VerifierConfig  # the cloud side needs torch
-    from cloud_verifier.server import EmbeddedVerifier
+    from cloud_verifier.server import EmbeddedVerifier, parse_args  # the cloud side needs torch
     from cloud_verifier.target_model import load_target
 
-    budget = None if kv_budget_mb is None else int(kv_budget_mb * 2**20)
-    with EmbeddedVerifier(load_target(args.target),
-                          VerifierConfig(port=0, max_sessions=max_sessions,
-                                         kv_budget_bytes=budget)) as verifier:
-        yield FleetVerifier(verifier.address)
+    budget = [] if kv_budget_mb is None else ["--kv-budget-mb", str(kv_budget_mb)]
+    _, config = parse_args(["--port", "0", "--max-sessions", str(max_sessions), *budget,
+                            *extra])
+    with EmbeddedVerifier(load_target(args.target), config) as verifier:
+        yield FleetVerifier(verifier.address, VerifierReport(spawned=False, extra_args=extra))

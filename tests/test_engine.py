@@ -60,3 +60,42 @@ def test_round_that_does_not_fit_leaves_the_session_untouched(target):
     assert session.committed == PROMPT and session.kv is None
     engine.run_round(session, DraftRound([5, 6], None))
     assert len(session.committed) <= len(PROMPT) + 3
+
+
+def test_kv_byte_count_and_budget_hold_under_concurrent_allocation():
+    """A round's room is allocated on the forward's thread while the event loop frees buffers
+    and restores prefixes. 2 threads x 40,000 allocate/free pairs, with the interpreter
+    switching threads every microsecond, must leave the count exact and never see it over
+    the budget."""
+    import sys
+    import threading
+
+    from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
+
+    store = KVStore(num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32,
+                    device=torch.device("cpu"), budget_bytes=None, max_context=64)
+    one = store.growth_bytes(None, 1)
+    store.budget_bytes = one  # one buffer at a time: two would be over
+    over: list[int] = []
+
+    def churn() -> None:
+        for _ in range(40_000):
+            try:
+                kv = store.ensure(None, 1)
+            except KVBudgetExceeded:
+                continue
+            if store.bytes_in_use > store.budget_bytes:
+                over.append(store.bytes_in_use)
+            store.release(kv)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=churn) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert store.bytes_in_use == 0 and over == []

@@ -455,6 +455,7 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     out = tmp_path / "fleet.json"
     rc = main(["fleet", "--spawn", "--target", str(tiny_llama_pair.target_dir),
                "--kv-budget-mb", "8", "--verifier-threads", "1",
+               "--verifier-arg=--prefix-cache-mb=4",
                "--draft-dir", str(tiny_llama_pair.draft_dir), "--clients", "2", "--duration",
                "1.5", "--profile", "5g", "--workload", "ime", "--mode", "spec", "--drafts",
                "replay", "--json", str(out), "--plot", str(tmp_path / "cdf.png"),
@@ -468,6 +469,7 @@ def test_cli_fleet_writes_json_and_plot(tiny_llama_pair, tmp_path):
     # stopped cleanly.
     v = res["verifier"]
     assert v["spawned"] and v["exit_code"] == 0 and v["threads"] == 1
+    assert v["extra_args"] == ["--prefix-cache-mb=4"]
     assert v["scrapes"] > 0 and 0 < v["kv_peak_bytes"] <= v["kv_budget_bytes"] == 8 * 2**20
     assert v["kv_within_budget"] is True and v["peak_rss_mb"] > 10
     assert v["preemptions"] is not None  # scraped from the verifier
@@ -566,3 +568,22 @@ def test_fleet_recovers_from_real_kv_budget_evictions(target, tiny_llama_pair, t
         assert a["errors"] == {} and a["reopens"] == 0, a
     assert a["requests_failed"] == 0 and a["requests_completed"] == 8, a
     assert completed_outputs(res) == want
+
+
+@pytest.mark.parametrize("where", ["--spawn", "--embedded"])
+def test_verifier_args_reach_the_verifier(tiny_llama_pair, where):
+    """--verifier-arg goes to the verifier's own command line: one it rejects stops the run
+    before any client starts."""
+    import argparse
+
+    from edge_client.fleet import add_common_args
+    from edge_client.fleet_verifier import fleet_verifier
+
+    p = argparse.ArgumentParser()
+    add_common_args(p)
+    args = p.parse_args([where, "--target", str(tiny_llama_pair.target_dir),
+                         "--verifier-arg=--prefix-cache-mb=-1"])
+    with pytest.raises((RuntimeError, SystemExit)) as info:
+        with fleet_verifier(args, clients=1):
+            pass
+    assert (info.type is RuntimeError) == (where == "--spawn")

@@ -36,7 +36,9 @@ is counted as a replay miss. Books are cached on disk per (target, draft, K).
 Workloads: ``chat`` sends chat prompts (shared.prompts.CHAT_PROMPTS, then the held-out split
 of edge_client.tools.distill_prompts) for long answers (``chat_tokens``). ``ime`` types
 sentences word by word: after every 1-3 more words, the grown raw-text prefix is sent for a
-completion of 4-12 tokens, with a typing pause (``think_ms``, +-50 %) before each request.
+completion of 4-12 tokens, with a typing pause (``think_ms``, +-50 %) before each request;
+with ``ime_document`` the sentences are one document, so each prompt also holds every sentence
+before the one being typed.
 ``mixed`` makes even-numbered clients chat and odd-numbered ones type.
 
 Timing definitions (all times are when the device has the data, i.e. after the emulated
@@ -148,6 +150,9 @@ class FleetConfig:
     # off: draft whenever the server's suggestion allows.
     adaptive: bool = True
     chat_tokens: int = 128  # max new tokens of a chat answer
+    # IME: the sentences are one document typed in order, so a prompt holds every sentence
+    # before the one being typed (long, growing contexts); off: each sentence stands alone.
+    ime_document: bool = False
     prompts: int = 8  # distinct chat prompts / IME sentences the clients cycle through
     think_ms: float | None = None  # pause before each request; None: 0 chat, 300 IME
     temperature: float = 0.0
@@ -244,16 +249,18 @@ def chat_requests(tokenizer: EdgeTokenizer, count: int, max_new_tokens: int,
 
 
 def ime_requests(tokenizer: EdgeTokenizer, count: int, max_context: int,
-                 seed: int) -> list[list[Request]]:
-    """Per sentence, its typing session: requests over ever longer prefixes."""
+                 seed: int, document: bool = False) -> list[list[Request]]:
+    """Per sentence, its typing session: requests over ever longer prefixes (of the sentence
+    alone, or with ``document`` of the text of every sentence before it too)."""
     rng = np.random.default_rng([seed, 7])
     sessions = []
-    for sentence in IME_SENTENCES[:count]:
+    for i, sentence in enumerate(IME_SENTENCES[:count]):
+        before = list(IME_SENTENCES[:i]) if document else []
         words = sentence.split()
         typed = int(rng.integers(1, 4))
         requests = []
         while typed <= len(words):
-            ids = tokenizer.encode(" ".join(words[:typed]))
+            ids = tokenizer.encode(" ".join(before + words[:typed]))
             n = min(int(rng.integers(4, 13)), max_context - len(ids) - 1)
             if ids and n >= 1:
                 requests.append(Request("ime", tuple(ids), n))
@@ -294,7 +301,8 @@ class Workload:
 def build_workload(tokenizer: EdgeTokenizer, config: FleetConfig, max_context: int) -> Workload:
     chat = (chat_requests(tokenizer, config.prompts, config.chat_tokens, max_context)
             if config.workload in ("chat", "mixed") else [])
-    ime = (ime_requests(tokenizer, config.prompts, max_context, config.seed)
+    ime = (ime_requests(tokenizer, config.prompts, max_context, config.seed,
+                        config.ime_document)
            if config.workload in ("ime", "mixed") else [])
     return Workload(chat, ime)
 
@@ -1159,6 +1167,7 @@ def _report(address: str, config: FleetConfig, info: pb.GetInfoResponse,
                      else None),
         "temperature": config.temperature,
         "chat_tokens": config.chat_tokens,
+        "ime_document": config.ime_document,
         "address": address,
         "target_model": info.target_model,
         "aggregate": aggregate,
@@ -1238,6 +1247,9 @@ def add_common_args(p) -> None:
     p.add_argument("--chat-tokens", type=int, default=128, help="max new tokens per chat answer")
     p.add_argument("--prompts", type=int, default=8,
                    help="distinct chat prompts / IME sentences the clients cycle through")
+    p.add_argument("--ime-document", action="store_true",
+                   help="IME: type the sentences as one document, so each prompt holds all "
+                        "the text before it (long contexts; default: each sentence alone)")
     p.add_argument("--think-ms", type=float, default=None,
                    help="pause before each request (default: 0 chat, 300 IME)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -1267,7 +1279,7 @@ def config_from_args(args, clients: int, profile_name: str, mode: str,
         clients=clients, duration_s=duration_s, profile=profile_name, workload=args.workload,
         mode=mode, drafts=args.drafts, protocol=args.protocol, draft_len=args.draft_len,
         confidence=not args.no_confidence, adaptive=not args.no_adaptive,
-        chat_tokens=args.chat_tokens,
+        chat_tokens=args.chat_tokens, ime_document=args.ime_document,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
         seed=args.seed, deadline_s=args.deadline, max_requests=args.max_requests,
         progress=not args.no_progress)

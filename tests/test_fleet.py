@@ -587,3 +587,22 @@ def test_verifier_args_reach_the_verifier(tiny_llama_pair, where):
         with fleet_verifier(args, clients=1):
             pass
     assert (info.type is RuntimeError) == (where == "--spawn")
+
+
+def test_ime_document_prompts_hold_the_text_typed_before():
+    """--ime-document: the same typing (same seed) as sentences typed alone, but each prompt
+    starts with every sentence before its own, as in one text field."""
+    from edge_client.fleet import IME_SENTENCES, ime_requests
+    from edge_client.tokenizer import EdgeTokenizer
+    from shared.paths import default_draft_dir
+
+    tok = EdgeTokenizer(default_draft_dir())  # the shipped draft's (SmolLM2) tokenizer
+    alone = ime_requests(tok, 4, 2048, seed=0)
+    document = ime_requests(tok, 4, 2048, seed=0, document=True)
+    assert [len(s) for s in document] == [len(s) for s in alone] and len(document) == 4
+    for i, (typed_alone, typed_in_document) in enumerate(zip(alone, document, strict=True)):
+        before = "".join(sentence + " " for sentence in IME_SENTENCES[:i])
+        for a, d in zip(typed_alone, typed_in_document, strict=True):
+            assert tok.decode(list(d.prompt_ids)) == before + tok.decode(list(a.prompt_ids))
+            assert d.max_new_tokens == a.max_new_tokens
+    assert len(document[3][0].prompt_ids) > len(document[2][-1].prompt_ids) > 30

@@ -31,7 +31,6 @@ forward shape, the same as between any two batchings of one session).
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,8 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore, SessionKV
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -12,17 +12,29 @@ directly. Other causal LMs go through ``sequential_forward``: one ordinary trans
 per session over a cache built from its buffer. Correct for any model with a standard
 per-layer KV cache, but it copies each session's cache every round.
 
-With at most ``FEW_ROWS`` new tokens the projections are computed as ``W @ x^T``
-(``_linear``) rather than ``nn.Linear``'s ``x @ W^T``: the same product, but for a few rows
-this orientation takes a much faster MKL path on the project's 2-core CPU (LM head alone: 2
-rows 15 vs 39 ms, 5 rows 24 vs 46 ms; whole packed forward, two A/B runs: one session with
-2-5 new tokens 110-140 vs 151-209 ms, two sessions x 1 token 117-125 vs 169-180 ms). With
-more rows ``W @ x^T`` does not win (whole forward, A/B in one process, 10..160 rows: 0.87-1.03x
-of ``nn.Linear``'s time, 2026-11-30), so ``nn.Linear``'s path is kept there.
+How the projections and the LM head are multiplied (``_linear``) decides most of a forward's
+time on a CPU, and the fastest kernel depends on the number of rows (new tokens):
+
+- More than ``FEW_ROWS`` rows: oneDNN with weights packed once into its own layout
+  (``packed_weights``; a second copy of the projections and LM head, 540 MB for SmolLM2-135M).
+  MKL's ``x @ W^T`` (what ``nn.Linear`` runs) reaches 30-60 GF/s with 8-32 rows on the
+  project's AMD CPU when the weights come from memory, as in a forward; the packed kernel
+  streams them near the memory bandwidth, so rows up to ~8 cost about what 2 do. Whole packed
+  forward, A/B in one process (medians of 7, 2026-11-30, this VM), MKL -> packed: 4 sessions x
+  4 tokens 93 -> 56 ms, 8 x 1 66 -> 50, 8 x 4 134 -> 92, 16 x 1 108 -> 72, 16 x 4 205 -> 157,
+  32 x 1 189 -> 143. Unpacked oneDNN (a dense weight) reorders the weight at every call and is
+  slower than MKL.
+- At most ``FEW_ROWS`` rows: MKL's ``W @ x^T``, a memory-bound product that the packed kernel
+  does not beat (1 session x 1 token 32 vs 42 ms packed, 2 x 1 29 vs 40), made contiguous (a
+  transposed q/k/v makes ``scaled_dot_product_attention`` leave its fused CPU kernel for the
+  math fallback, which cost 8 sessions x 1 token 105 vs 74 ms), and one row is computed as two
+  (with one column MKL takes a matrix-vector path on one core: 55 vs 38 ms).
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +42,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from cloud_verifier.kv_store import SessionKV
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,24 +64,74 @@ def supports_packing(model: torch.nn.Module) -> bool:
                                                         "act_fn")))
 
 
-FEW_ROWS = 8
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Linear, torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
 
 
-def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """``layer(x)`` for x ``[..., in]``; as ``W @ x^T`` for a few rows (module docstring)."""
+def packed_weights(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
+    """The model's projections and LM head as oneDNN-packed weights, built on first use.
+
+    Empty (``nn.Linear``'s path everywhere) unless the weights are fp32 on a CPU with oneDNN.
+    The packed copies are taken once: a model whose weights change afterwards must not be
+    served (the verifier never changes them).
+    """
+    packed = _PACKED.get(model)
+    if packed is None:
+        packed = _PACKED[model] = _pack(model)
+    return packed
+
+
+def _pack(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
+    weight = model.lm_head.weight
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()):
+        return {}
+    layers = [getattr(layer.self_attn, n) for layer in model.model.layers
+              for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    layers += [getattr(layer.mlp, n) for layer in model.model.layers
+               for n in ("gate_proj", "up_proj", "down_proj")]
+    layers.append(model.lm_head)
+    packed = {m: pack_weight(m.weight) for m in layers}
+    mib = sum(m.weight.numel() * m.weight.element_size() for m in layers) / 2**20
+    log.info("packed %d projections for oneDNN (%.0f MiB beside the model's weights)",
+             len(packed), mib)
+    return packed
+
+
+FEW_ROWS = 2
+
+
+@torch.inference_mode()
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An ``nn.Linear`` weight ``[out, in]`` in oneDNN's own layout, for ``_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Linear,
+            packed: dict[torch.nn.Linear, torch.Tensor]) -> torch.Tensor:
+    """``layer(x)`` for x ``[..., in]``: ``W @ x^T`` for at most ``FEW_ROWS`` rows, else
+    through the layer's oneDNN-packed weight if it has one (module docstring). Contiguous."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > FEW_ROWS:
+    n = rows.shape[0]
+    weight = packed.get(layer)
+    if n > FEW_ROWS and weight is None:
         return F.linear(x, layer.weight, layer.bias)
-    out = (layer.weight @ rows.T).T
-    if layer.bias is not None:
-        out = out + layer.bias
+    if n > FEW_ROWS:
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, layer.bias, "none",
+                                                 [], "")
+    else:
+        cols = rows.expand(2, -1).contiguous() if n == 1 else rows
+        out = (layer.weight @ cols.T)[:, :n].T.contiguous()
+        if layer.bias is not None:
+            out = out + layer.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor,
+         packed: dict[torch.nn.Linear, torch.Tensor]) -> torch.Tensor:
     """A Llama MLP, ``down(act(gate(x)) * up(x))``, through ``_linear``."""
-    return _linear(mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj),
-                   mlp.down_proj)
+    gate = mlp.act_fn(_linear(x, mlp.gate_proj, packed))
+    return _linear(gate * _linear(x, mlp.up_proj, packed), mlp.down_proj, packed)
 
 
 @torch.inference_mode()
@@ -101,6 +165,7 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
     caller's decision.
     """
     inner = model.model
+    packed = packed_weights(model)
     device = inner.embed_tokens.weight.device
     ids = torch.tensor([t for s in segments for t in s.tokens], device=device)
     positions = torch.cat([torch.arange(s.kv.length, s.kv.length + len(s.tokens))
@@ -117,9 +182,10 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
     for layer_idx, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        q = _linear(x, attn.q_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)  # [1,H,N,hd]
-        k = _linear(x, attn.k_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)  # Hkv heads
-        v = _linear(x, attn.v_proj).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        # [1, H, N, hd]; k and v with the KV heads
+        q = _linear(x, attn.q_proj, packed).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        k = _linear(x, attn.k_proj, packed).view(1, n, -1, attn.head_dim).transpose(1, 2)
+        v = _linear(x, attn.v_proj, packed).view(1, n, -1, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = torch.empty_like(q)
         for seg, (lo, hi), mask in zip(segments, bounds, masks, strict=True):
@@ -130,12 +196,12 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
             out[:, :, lo:hi] = F.scaled_dot_product_attention(
                 q[:, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
                 scale=attn.scaling, enable_gqa=True)
-        hidden = hidden + _linear(out.transpose(1, 2).reshape(1, n, -1), attn.o_proj)
-        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden))
+        hidden = hidden + _linear(out.transpose(1, 2).reshape(1, n, -1), attn.o_proj, packed)
+        hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), packed)
     hidden = inner.norm(hidden)[0]
     wanted = torch.cat([torch.arange(hi - s.num_logits, hi) for s, (_, hi)
                         in zip(segments, bounds, strict=True)]).to(device)
-    logits = _linear(hidden[wanted], model.lm_head).float()
+    logits = _linear(hidden[wanted], model.lm_head, packed).float()
     return list(torch.split(logits, [s.num_logits for s in segments]))
 
 

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cloud_verifier import torch_thread
 from cloud_verifier.draft_policy import VerifyCostModel
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import ContextTooLong, KVCacheFull, Overloaded
@@ -242,7 +243,7 @@ class RoundBatcher:
         self.metrics.batch_sessions.observe(len(batch))
         self.metrics.batch_tokens.observe(tokens)
         try:
-            outcomes: list[RoundOutcome | Exception] = await asyncio.to_thread(
+            outcomes: list[RoundOutcome | Exception] = await torch_thread.call(
                 self.engine.run_batch, rounds)
         except Exception as exc:  # noqa: BLE001 - the forward failed for the whole batch
             log.exception("batched forward of %d rounds failed", len(batch))

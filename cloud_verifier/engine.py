@@ -26,7 +26,6 @@ from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
 from cloud_verifier.packed_forward import (
     Segment,
     packed_forward,
-    packed_weights,
     sequential_forward,
     supports_packing,
 )
@@ -77,9 +76,7 @@ class VerifierEngine:
                  kv_budget_bytes: int | None = None) -> None:
         self.model = model
         self._forward = packed_forward if supports_packing(model) else sequential_forward
-        if self._forward is packed_forward:
-            packed_weights(model)  # now rather than in the first client's forward
-        else:
+        if self._forward is sequential_forward:
             log.warning("%s is not Llama-family: verifying one session per forward",
                         type(model).__name__)
         self.vocab_size = vocab_size

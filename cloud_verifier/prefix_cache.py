@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cloud_verifier import torch_thread
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore, SessionKV
 
 
@@ -110,7 +111,9 @@ class PrefixCache:
             kv = self.store.ensure(None, len(prompt))
         except KVBudgetExceeded:
             return None
-        kv.buffer[:, :, :, :best_len] = source.kv.buffer[:, :, :, :best_len]
+        # On the torch thread, before the session's first forward (torch_thread docstring).
+        torch_thread.submit(kv.buffer[:, :, :, :best_len].copy_,
+                            source.kv.buffer[:, :, :, :best_len])
         kv.length = best_len
         source.last_used = self._clock()
         self._entries.move_to_end(best_key)

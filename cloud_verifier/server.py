@@ -17,10 +17,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cloud_verifier import torch_thread
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.packed_forward import packed_weights, supports_packing
 from cloud_verifier.service import ModelInfo, VerifierService
 from cloud_verifier.target_model import LoadedTarget, load_target
 from shared.pb import verifier_pb2 as pb
@@ -33,6 +35,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
+def load_served_target(path: str | Path | None = None, device: str | None = None,
+                       dtype: str | None = None) -> LoadedTarget:
+    """``load_target`` on the thread the verifier's forwards run on (``torch_thread``)."""
+    return torch_thread.run(load_target, path, device=device, dtype=dtype)
+
+
 class VerifierServer:
     """A running verifier bound to one loaded target."""
 
@@ -40,6 +48,8 @@ class VerifierServer:
         max_context = min(config.max_context or target.max_context, target.max_context)
         self.config = config
         self.metrics = VerifierMetrics()
+        if supports_packing(target.model):  # now, not in the first client's forward
+            torch_thread.run(packed_weights, target.model)
         self.service = VerifierService(
             VerifierEngine(target.model, target.vocab_size, max_context,
                            config.kv_budget_bytes), config,
@@ -228,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+        torch_thread.run(torch.set_num_threads, args.threads)
+    target = load_served_target(args.model, device=args.device, dtype=args.dtype)
     asyncio.run(_serve(VerifierServer(target, config)))
     return 0
 

@@ -143,9 +143,9 @@ def assistant_dir(draft_dir: Path) -> Path | None:
 def run_bench(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
+    from cloud_verifier import torch_thread
     from cloud_verifier.config import VerifierConfig
-    from cloud_verifier.server import EmbeddedVerifier
-    from cloud_verifier.target_model import load_target
+    from cloud_verifier.server import EmbeddedVerifier, load_served_target
     from edge_client.tokenizer import EdgeTokenizer
     from shared.paths import default_draft_dir, draft_twin_dir
     from shared.prompts import CHAT_PROMPTS
@@ -153,32 +153,33 @@ def run_bench(args: argparse.Namespace) -> int:
     log.setLevel(logging.INFO)  # progress of a long run, whatever --log-level says
     draft_dir = args.draft_dir or default_draft_dir()
     draft_pt_dir = args.draft_pt_dir or assistant_dir(draft_dir)
-    target = load_target(args.target)
+    # All of this process's torch work runs on the verifier's torch thread (its docstring).
+    target = load_served_target(args.target)
     tokenizer = EdgeTokenizer(draft_dir)
     prompts = [tokenizer.encode_chat(p) for p in CHAT_PROMPTS[:args.prompts]]
     counter = ForwardCounter(target.model)
     k, n = args.draft_len, args.max_new_tokens
 
     # Warm-up, so that no case pays first-call costs.
-    _hf_case("warmup", target, prompts[:1], 4, counter)
+    torch_thread.run(_hf_case, "warmup", target, prompts[:1], 4, counter)
     counter.take()
 
     cases: list[CaseResult] = []
     log.info("(a) target alone")
-    cases.append(_hf_case("a_target_generate", target, prompts, n, counter))
+    cases.append(torch_thread.run(_hf_case, "a_target_generate", target, prompts, n, counter))
     if draft_pt_dir is None:
         log.warning("(b) skipped: no full-vocabulary PyTorch copy of %s (edgespec-distill "
                     "export writes one to %s; or pass --draft-pt-dir)", draft_dir,
                     draft_twin_dir(draft_dir))
     else:
         log.info("(b) assisted generation with %s", draft_pt_dir)
-        assistant = AutoModelForCausalLM.from_pretrained(draft_pt_dir,
-                                                         dtype=target.dtype).eval()
+        assistant = torch_thread.run(AutoModelForCausalLM.from_pretrained, draft_pt_dir,
+                                     dtype=target.dtype).eval()
         draft_counter = ForwardCounter(assistant)
-        assisted = _hf_case("b_hf_assisted", target, prompts, n, counter,
-                            assistant_model=assistant, num_assistant_tokens=k,
-                            num_assistant_tokens_schedule="constant",
-                            assistant_confidence_threshold=0.0)
+        assisted = torch_thread.run(_hf_case, "b_hf_assisted", target, prompts, n, counter,
+                                    assistant_model=assistant, num_assistant_tokens=k,
+                                    num_assistant_tokens_schedule="constant",
+                                    assistant_confidence_threshold=0.0)
         # Each assistant forward drafts one token; each target forward commits the accepted
         # drafts plus one token, so accepted = new tokens - target forwards.
         assisted.drafted = draft_counter.take()

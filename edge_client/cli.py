@@ -50,10 +50,10 @@ def verifier_address(args: argparse.Namespace):
     if not args.embedded:
         yield args.server
         return
-    from cloud_verifier.server import EmbeddedVerifier  # the cloud side needs torch
-    from cloud_verifier.target_model import load_target
+    # the cloud side needs torch
+    from cloud_verifier.server import EmbeddedVerifier, load_served_target
 
-    with EmbeddedVerifier(load_target(args.target)) as verifier:
+    with EmbeddedVerifier(load_served_target(args.target)) as verifier:
         yield verifier.address
 
 

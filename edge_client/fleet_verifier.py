@@ -192,11 +192,11 @@ def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
     if not args.embedded:
         yield FleetVerifier(args.server)
         return
-    from cloud_verifier.server import EmbeddedVerifier, parse_args  # the cloud side needs torch
-    from cloud_verifier.target_model import load_target
+    # the cloud side needs torch
+    from cloud_verifier.server import EmbeddedVerifier, load_served_target, parse_args
 
     budget = [] if kv_budget_mb is None else ["--kv-budget-mb", str(kv_budget_mb)]
     _, config = parse_args(["--port", "0", "--max-sessions", str(max_sessions), *budget,
                             *extra])
-    with EmbeddedVerifier(load_target(args.target), config) as verifier:
+    with EmbeddedVerifier(load_served_target(args.target), config) as verifier:
         yield FleetVerifier(verifier.address, VerifierReport(spawned=False, extra_args=extra))

@@ -110,6 +110,6 @@ def real_assets() -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def target(tiny_llama_pair):
     """The tiny target loaded as the verifier loads it, shared by every test."""
-    from cloud_verifier.target_model import load_target
+    from cloud_verifier.server import load_served_target
 
-    return load_target(tiny_llama_pair.target_dir)
+    return load_served_target(tiny_llama_pair.target_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import torch
 
+from cloud_verifier import torch_thread
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.kv_store import KVStore, SessionKV
@@ -32,7 +33,8 @@ def filled(kv_store: KVStore, tokens: list[int]) -> SessionKV:
 
 
 def cached_tokens(kv: SessionKV) -> list[int]:
-    return kv.buffer[0, 0, 0, :kv.length, 0].long().tolist()
+    """Read on the torch thread, after the restore's copy queued there."""
+    return torch_thread.run(lambda: kv.buffer[0, 0, 0, :kv.length, 0].long().tolist())
 
 
 def test_common_prefix_len():

@@ -1,0 +1,52 @@
+"""One thread for all of the verifier's tensor work.
+
+torch's CPU kernels run on an OpenMP team owned by the thread that calls them. Once a second
+thread has run parallel torch work, both threads' forwards get much slower on this project's
+2-core machine: one session x 1 token 29 -> 79-96 ms, 4 x 1 52 -> 71-82, 8 x 4 112 -> 144-163
+(packed forwards timed from an asyncio loop, model loaded and prefilled on one thread and
+forwards run on another, either way round, against all on one; medians of 17, 2026-11-30).
+``asyncio.to_thread``, which the batcher used, also spreads calls over a pool of threads.
+
+So the model is loaded, packed and run on this one thread, and so are the copies the event
+loop asks for (a prefix-cache restore copied on the event loop thread halved a 1-client
+fleet's tokens/s): ``run`` calls a function on it and waits, ``call`` awaits it from an event
+loop, ``submit`` queues it. Work here runs in submission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_NAME = "edgespec-torch"
+_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_NAME)
+
+
+def on_torch_thread() -> bool:
+    return threading.current_thread().name.startswith(_NAME)
+
+
+def run(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` on the torch thread (directly when already on it)."""
+    if on_torch_thread():
+        return fn(*args, **kwargs)
+    return _EXECUTOR.submit(fn, *args, **kwargs).result()
+
+
+def submit(fn: Callable[..., object], *args) -> None:
+    """Queues ``fn(*args)`` on the torch thread without waiting (directly when already on
+    it). Work submitted later, such as a forward, runs after it."""
+    if on_torch_thread():
+        fn(*args)
+    else:
+        _EXECUTOR.submit(fn, *args)
+
+
+async def call(fn: Callable[..., T], *args) -> T:
+    """Awaits ``fn(*args)`` run on the torch thread, without blocking the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)

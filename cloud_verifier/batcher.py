@@ -1,9 +1,9 @@
 """Continuous batching of verification rounds across sessions.
 
-Rounds queue here. While one forward runs (in a worker thread), new rounds keep arriving;
-when it finishes, everything queued (up to ``max_batch_tokens`` new tokens) goes into the next
-forward, after an optional short gather window. A round whose caller gave up before its
-forward started is dropped without running.
+Rounds queue here. While one forward runs (on the torch thread, ``torch_thread``), new rounds
+keep arriving; when it finishes, everything queued (up to ``max_batch_tokens`` new tokens)
+goes into the next forward, after an optional short gather window. A round whose caller gave
+up before its forward started is dropped without running.
 
 Under KV memory pressure (``_admit``) idle sessions are evicted first, least recently used
 first; then sessions are served in admission order: an older session's round may take the KV

@@ -6,7 +6,7 @@ A round writes new positions past ``length`` and then sets ``length`` to what wa
 so rolling back rejected drafts moves no data (positions past ``length`` are never read and
 get overwritten). Capacity grows by doubling, so appends are amortised O(1) per token.
 
-Buffers are allocated from the forward's worker thread (a round's room) and from the event
+Buffers are allocated from the torch thread (a round's room) and from the event
 loop (prefix-cache restores), and freed from the event loop: the byte count and the budget
 check that guards it change under one lock, so the budget holds whichever thread allocates.
 """

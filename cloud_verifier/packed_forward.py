@@ -98,13 +98,13 @@ def _pack(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
     return packed
 
 
-FEW_ROWS = 2
-
-
 @torch.inference_mode()
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """An ``nn.Linear`` weight ``[out, in]`` in oneDNN's own layout, for ``_linear``."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+FEW_ROWS = 2
 
 
 def _linear(x: torch.Tensor, layer: torch.nn.Linear,

@@ -1,10 +1,43 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    ERROR_REASON_INVALID_ARGUMENT: _ClassVar[ErrorReason]
+    ERROR_REASON_CONTEXT_TOO_LONG: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_EVICTED: _ClassVar[ErrorReason]
+    ERROR_REASON_SESSION_EXPIRED: _ClassVar[ErrorReason]
+    ERROR_REASON_OUT_OF_ORDER: _ClassVar[ErrorReason]
+    ERROR_REASON_OVERLOADED: _ClassVar[ErrorReason]
+    ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
+    ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
+    ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
+
+class Drafting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFTING_UNSPECIFIED: _ClassVar[Drafting]
+    DRAFTING_ROUNDS: _ClassVar[Drafting]
+    DRAFTING_LOOKAHEAD: _ClassVar[Drafting]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+ERROR_REASON_INVALID_ARGUMENT: ErrorReason
+ERROR_REASON_CONTEXT_TOO_LONG: ErrorReason
+ERROR_REASON_SESSION_EVICTED: ErrorReason
+ERROR_REASON_SESSION_EXPIRED: ErrorReason
+ERROR_REASON_OUT_OF_ORDER: ErrorReason
+ERROR_REASON_OVERLOADED: ErrorReason
+ERROR_REASON_DRAINING: ErrorReason
+ERROR_REASON_UNAUTHENTICATED: ErrorReason
+ERROR_REASON_INTERNAL: ErrorReason
+DRAFTING_UNSPECIFIED: Drafting
+DRAFTING_ROUNDS: Drafting
+DRAFTING_LOOKAHEAD: Drafting
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -60,21 +93,61 @@ class Draft(_message.Message):
     confidence: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "first_draft")
+class OpenSession(_message.Message):
+    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTING_FIELD_NUMBER: _ClassVar[int]
     FIRST_DRAFT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
+    drafting: Drafting
     first_draft: Draft
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+
+class VerifyRound(_message.Message):
+    __slots__ = ("round", "draft")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    draft: Draft
+    def __init__(self, round: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+
+class LookaheadDraft(_message.Message):
+    __slots__ = ("base_length", "draft")
+    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    base_length: int
+    draft: Draft
+    def __init__(self, base_length: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+
+class Decode(_message.Message):
+    __slots__ = ("round", "max_tokens", "stop_when_drafting_pays")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_WHEN_DRAFTING_PAYS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    max_tokens: int
+    stop_when_drafting_pays: bool
+    def __init__(self, round: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_when_drafting_pays: _Optional[bool] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "verify", "lookahead", "decode")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    verify: VerifyRound
+    lookahead: LookaheadDraft
+    decode: Decode
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., verify: _Optional[_Union[VerifyRound, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "forward_ns")
@@ -84,11 +157,12 @@ class Timing(_message.Message):
     forward_ns: int
     def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
-class RoundResult(_message.Message):
-    __slots__ = ("round", "num_accepted", "next_token", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost")
+class Step(_message.Message):
+    __slots__ = ("round", "token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,75 +170,24 @@ class RoundResult(_message.Message):
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     round: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafted: int
     num_accepted: int
-    next_token: int
     committed_length: int
     finished: bool
     target_forwards: int
     timing: Timing
     suggested_draft_len: int
     draft_token_cost: float
-    def __init__(self, round: _Optional[int] = ..., num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
-
-class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "committed_length", "first_round")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    committed_length: int
-    first_round: RoundResult
-    def __init__(self, session_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., first_round: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
-
-class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "round", "draft", "close")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
-    CLOSE_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    round: int
-    draft: Draft
-    close: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[bool] = ...) -> None: ...
-
-class VerifyResponse(_message.Message):
-    __slots__ = ("result",)
-    RESULT_FIELD_NUMBER: _ClassVar[int]
-    result: RoundResult
-    def __init__(self, result: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
-
-class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
-
-class CloseSessionResponse(_message.Message):
-    __slots__ = ("committed_length",)
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    committed_length: int
-    def __init__(self, committed_length: _Optional[int] = ...) -> None: ...
-
-class SessionRequest(_message.Message):
-    __slots__ = ("open", "verify", "continue_decoding")
-    OPEN_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    CONTINUE_DECODING_FIELD_NUMBER: _ClassVar[int]
-    open: OpenSessionRequest
-    verify: VerifyRequest
-    continue_decoding: ContinueRequest
-    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., continue_decoding: _Optional[_Union[ContinueRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("opened", "verified", "continued")
-    OPENED_FIELD_NUMBER: _ClassVar[int]
-    VERIFIED_FIELD_NUMBER: _ClassVar[int]
-    CONTINUED_FIELD_NUMBER: _ClassVar[int]
-    opened: OpenSessionResponse
-    verified: VerifyResponse
-    continued: RoundResult
-    def __init__(self, opened: _Optional[_Union[OpenSessionResponse, _Mapping]] = ..., verified: _Optional[_Union[VerifyResponse, _Mapping]] = ..., continued: _Optional[_Union[RoundResult, _Mapping]] = ...) -> None: ...
+    __slots__ = ("session_id", "step")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: Step
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -181,61 +204,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "committed_length", "finished", "timing")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    TIMING_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    committed_length: int
-    finished: bool
-    timing: Timing
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
-
-class ContinueRequest(_message.Message):
-    __slots__ = ("session_id", "round", "max_tokens", "stop_when_drafting_pays")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_WHEN_DRAFTING_PAYS_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    round: int
-    max_tokens: int
-    stop_when_drafting_pays: bool
-    def __init__(self, session_id: _Optional[str] = ..., round: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_when_drafting_pays: _Optional[bool] = ...) -> None: ...
-
-class LookaheadDraft(_message.Message):
-    __slots__ = ("base_length", "draft")
-    BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_FIELD_NUMBER: _ClassVar[int]
-    base_length: int
-    draft: Draft
-    def __init__(self, base_length: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
-
-class LookaheadRequest(_message.Message):
-    __slots__ = ("open", "lookahead")
-    OPEN_FIELD_NUMBER: _ClassVar[int]
-    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
-    open: OpenSessionRequest
-    lookahead: LookaheadDraft
-    def __init__(self, open: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ...) -> None: ...
-
-class LookaheadStep(_message.Message):
-    __slots__ = ("token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "timing", "suggested_draft_len", "draft_token_cost")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
-    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    TIMING_FIELD_NUMBER: _ClassVar[int]
-    SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_drafted: int
-    num_accepted: int
-    committed_length: int
-    finished: bool
-    timing: Timing
-    suggested_draft_len: int
-    draft_token_cost: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: Step
+    def __init__(self, step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...

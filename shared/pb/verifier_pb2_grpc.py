@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class VerifierStub:
+class VerifierServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,48 +35,23 @@ class VerifierStub:
             channel: A grpc.Channel.
         """
         self.GetInfo = channel.unary_unary(
-                '/edgespec.v1.Verifier/GetInfo',
+                '/edgespec.v1.VerifierService/GetInfo',
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
-        self.OpenSession = channel.unary_unary(
-                '/edgespec.v1.Verifier/OpenSession',
-                request_serializer=edgespec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.OpenSessionResponse.FromString,
-                _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/edgespec.v1.Verifier/Verify',
-                request_serializer=edgespec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-                _registered_method=True)
-        self.CloseSession = channel.unary_unary(
-                '/edgespec.v1.Verifier/CloseSession',
-                request_serializer=edgespec_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.CloseSessionResponse.FromString,
-                _registered_method=True)
         self.Session = channel.stream_stream(
-                '/edgespec.v1.Verifier/Session',
+                '/edgespec.v1.VerifierService/Session',
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
-                '/edgespec.v1.Verifier/Generate',
+                '/edgespec.v1.VerifierService/Generate',
                 request_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.Continue = channel.unary_stream(
-                '/edgespec.v1.Verifier/Continue',
-                request_serializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
-                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
-                _registered_method=True)
-        self.Lookahead = channel.stream_stream(
-                '/edgespec.v1.Verifier/Lookahead',
-                request_serializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.SerializeToString,
-                response_deserializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.FromString,
-                _registered_method=True)
 
 
-class VerifierServicer:
+class VerifierServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetInfo(self, request, context):
@@ -86,101 +61,32 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def OpenSession(self, request, context):
-        """Opens a session over a prompt; optionally verifies the first draft in the same call.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Verify(self, request, context):
-        """Verifies one round of drafts.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def CloseSession(self, request, context):
-        """Frees a session before it finishes or expires.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Session(self, request_iterator, context):
-        """One session on one stream: the first message opens it, each later one is a round.
-        Closing the request stream closes the session. Errors end the stream with a status.
+        """One session on one stream. The first message (open) opens it; the session lives as long
+        as the stream. Half-closing the request stream, or cancelling the call, closes the
+        session at once. The server ends the stream with OK after the Step that finishes the
+        generation once the client has half-closed (or after a short grace), and with a status
+        (ErrorInfo attached) on any error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Cloud-only baseline: the target decodes every token itself (sharing the same continuous
-        batching as verification rounds) and streams tokens back. What a user runs without an
-        edge draft; the fleet benchmark compares against it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Continue(self, request, context):
-        """Cloud-side decoding inside a speculative session, for when drafting does not pay
-        (suggested_draft_len = 0, the server is saturated). The verifier runs K = 0 rounds (one
-        target forward and one token each) back to back, starting at ContinueRequest.round, in
-        the same continuous batching, and streams each round's result as it commits: no round
-        trip per token. The stream ends after max_tokens rounds, when the session finishes, or
-        (stop_when_drafting_pays) right after a round whose suggested_draft_len is above 0; the
-        client then drafts again with the next round number. Rounds are numbered as in Verify: a round the client missed
-        (a cut stream) is replayed when asked for again, not applied twice.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Lookahead(self, request_iterator, context):
-        """Speculative decoding with no round trip in the loop: the lookahead stream. The first
-        message opens a session (an OpenSessionRequest without first_draft). The server then
-        decodes the session forward after forward, in the same continuous batching as Generate,
-        and streams what each forward commits. Meanwhile the client streams lookahead drafts:
-        tokens drafted after the first base_length committed tokens, with their q. Each forward
-        takes the latest lookahead received; when its first tokens equal what has been committed
-        after base_length, the rest of it (at most the suggested draft length, and what fits the
-        context; of a lookahead with confidences, the prefix of that rest worth its cost by the
-        rule of RoundResult.draft_token_cost, at most max_draft_len) is verified in that forward
-        with lossless speculative sampling; otherwise the
-        forward decodes one token. A forward never commits fewer tokens than a plain decoding
-        step, and the network only decides how many drafts are still fresh when they arrive.
-        The stream ends when the generation finishes, and the session closes when the stream
-        ends; half-closing the request stream only means "no more lookaheads". Errors end the
-        stream with a status (NOT_FOUND "evicted": reopen with the committed context as prompt).
+        """Cloud-only baseline: the target decodes every token itself (in the same continuous
+        batching as verification) and streams one Step per forward.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_VerifierServicer_to_server(servicer, server):
+def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
                     request_deserializer=edgespec_dot_v1_dot_verifier__pb2.GetInfoRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_verifier__pb2.GetInfoResponse.SerializeToString,
-            ),
-            'OpenSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.OpenSession,
-                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.OpenSessionRequest.FromString,
-                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.OpenSessionResponse.SerializeToString,
-            ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
-                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
-            ),
-            'CloseSession': grpc.unary_unary_rpc_method_handler(
-                    servicer.CloseSession,
-                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.CloseSessionRequest.FromString,
-                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.CloseSessionResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -192,25 +98,15 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.FromString,
                     response_serializer=edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.SerializeToString,
             ),
-            'Continue': grpc.unary_stream_rpc_method_handler(
-                    servicer.Continue,
-                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.FromString,
-                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.RoundResult.SerializeToString,
-            ),
-            'Lookahead': grpc.stream_stream_rpc_method_handler(
-                    servicer.Lookahead,
-                    request_deserializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.FromString,
-                    response_serializer=edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'edgespec.v1.Verifier', rpc_method_handlers)
+            'edgespec.v1.VerifierService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('edgespec.v1.Verifier', rpc_method_handlers)
+    server.add_registered_method_handlers('edgespec.v1.VerifierService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Verifier:
+class VerifierService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -227,90 +123,9 @@ class Verifier:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/edgespec.v1.Verifier/GetInfo',
+            '/edgespec.v1.VerifierService/GetInfo',
             edgespec_dot_v1_dot_verifier__pb2.GetInfoRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.GetInfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def OpenSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/edgespec.v1.Verifier/OpenSession',
-            edgespec_dot_v1_dot_verifier__pb2.OpenSessionRequest.SerializeToString,
-            edgespec_dot_v1_dot_verifier__pb2.OpenSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/edgespec.v1.Verifier/Verify',
-            edgespec_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
-            edgespec_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CloseSession(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/edgespec.v1.Verifier/CloseSession',
-            edgespec_dot_v1_dot_verifier__pb2.CloseSessionRequest.SerializeToString,
-            edgespec_dot_v1_dot_verifier__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,7 +150,7 @@ class Verifier:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/edgespec.v1.Verifier/Session',
+            '/edgespec.v1.VerifierService/Session',
             edgespec_dot_v1_dot_verifier__pb2.SessionRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.SessionResponse.FromString,
             options,
@@ -362,63 +177,9 @@ class Verifier:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/edgespec.v1.Verifier/Generate',
+            '/edgespec.v1.VerifierService/Generate',
             edgespec_dot_v1_dot_verifier__pb2.GenerateRequest.SerializeToString,
             edgespec_dot_v1_dot_verifier__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Continue(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/edgespec.v1.Verifier/Continue',
-            edgespec_dot_v1_dot_verifier__pb2.ContinueRequest.SerializeToString,
-            edgespec_dot_v1_dot_verifier__pb2.RoundResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Lookahead(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/edgespec.v1.Verifier/Lookahead',
-            edgespec_dot_v1_dot_verifier__pb2.LookaheadRequest.SerializeToString,
-            edgespec_dot_v1_dot_verifier__pb2.LookaheadStep.FromString,
             options,
             channel_credentials,
             insecure,

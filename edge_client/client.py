@@ -1,54 +1,58 @@
 """The edge client's Python API: speculative generation against a remote verifier.
 
-    client = EdgeClient("verifier:50051", draft_dir)
-    gen = client.generate("Write a haiku about the sea.", GenerationConfig(max_new_tokens=64))
-    for text in gen.text():
-        print(text, end="", flush=True)
-    print(gen.stats.to_dict())
+    with EdgeClient("verifier:50051") as client:          # the shipped draft by default
+        gen = client.generate("Write a haiku about the sea.", GenerationConfig(max_new_tokens=64))
+        for text in gen.text():
+            print(text, end="", flush=True)
+        print(gen.stats.to_dict())
 
-One round: draft K tokens on the device (recording q), send ids + sparse q, receive the
-number accepted n and the correction/bonus token, commit d_1..d_n + that token, resync the
-draft cache. The first round rides on OpenSession, and the server closes the session itself
-when the generation finishes, so a generation of R rounds costs exactly R round trips.
+or, in asyncio code::
+
+    async with AsyncEdgeClient("verifier:50051") as client:
+        async for text in client.generate("Hi!").text():
+            ...
+
+Both run the one client core (edge_client.core): drafting on the device, Verify rounds or a
+lookahead stream, reopening after evictions and restarts, back-off as the server asks. The
+synchronous ``EdgeClient`` is a facade that runs an ``AsyncEdgeClient`` on its own event-loop
+thread. ``Generation.cancel()`` may be called from any thread; it, or leaving the iteration
+early, closes the server's session at once.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from edge_client.combined_drafter import DRAFTER_KINDS, Drafter, make_drafter
+from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
+from edge_client.connection import Connection, Deadlines, RetryPolicy
+from edge_client.core import GenerationStats, generate, model_proposer
 from edge_client.draft_model import OnnxDraftModel
-from edge_client.drafter import DraftSampling, Proposal
-from edge_client.rate_chooser import CONTINUE, SPEC, RateChooser
-from edge_client.rounds import (  # noqa: F401 - ProtocolError is part of this module's API
-    NO_DRAFTS,
-    GenerationRounds,
+from edge_client.drafter import DraftSampling
+from edge_client.errors import (  # noqa: F401 - part of this module's API
+    IncompatibleVerifier,
+    RequestRejected,
+    VerifierUnavailable,
+)
+from edge_client.generation_state import (  # noqa: F401 - ProtocolError is API
+    PROTOCOLS,
+    ROUNDS,
+    GenerationState,
     ProtocolError,
     ServerLimits,
     SessionParams,
 )
+from edge_client.link import DelayLink, Link
+from edge_client.rate_chooser import RateChooser
 from edge_client.tokenizer import EdgeTokenizer, TextStream
-from edge_client.transport import (
-    LookaheadStream,
-    StreamRounds,
-    Transport,
-    UnaryRounds,
-    WireStats,
-)
-from shared.pb import verifier_pb2 as pb
-
-# How a generation talks to the verifier: Verify rounds on one Session stream or as unary
-# calls, or one Lookahead stream (edge_client.transport).
-PROTOCOLS = ("stream", "unary", "lookahead")
-
-
-class IncompatibleVerifier(RuntimeError):
-    """The verifier's model does not share this client's tokenizer or vocabulary."""
+from shared.paths import default_draft_dir
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,9 @@ class GenerationConfig:
     ignore_eos: bool = False
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
     # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
-    # choose drafting or server-side decoding (Continue) by measured rate
-    # (edge_client.rate_chooser). Off by default: both depend on load, so sampled outputs
-    # would no longer be a function of the seed (they stay exact in distribution).
+    # choose drafting or cloud-side decoding by measured rate (edge_client.rate_chooser).
+    # Off by default: both depend on load, so sampled outputs would no longer be a function
+    # of the seed (they stay exact in distribution).
     follow_suggested_draft_len: bool = False
 
     def __post_init__(self) -> None:
@@ -84,88 +88,74 @@ class GenerationConfig:
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
 
-
-@dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    round_trips: int = 0
-    target_forwards: int = 0
-    bytes_up: int = 0
-    bytes_down: int = 0
-    draft_s: float = 0.0
-    network_s: float = 0.0  # call time minus the server's own queue + forward time
-    verify_s: float = 0.0  # server queue + forward time
-    wall_s: float = 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["acceptance_rate"] = self.acceptance_rate
-        d["tokens_per_round"] = self.tokens_per_round
-        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
-        return d
+    def session_params(self) -> SessionParams:
+        return SessionParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                             top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                             stop_token_ids=tuple(self.stop_token_ids),
+                             ignore_eos=self.ignore_eos)
 
 
-class EdgeClient:
-    def __init__(self, address: str, draft_dir: str | Path, api_key: str | None = None,
-                 rtt_ms: float = 0.0, protocol: str = "stream", timeout_s: float = 60.0,
+class AsyncEdgeClient:
+    """A draft model on this device and a connection to one verifier."""
+
+    def __init__(self, address: str, draft_dir: str | Path | None = None, *,
+                 api_key: str | None = None, protocol: str = ROUNDS,
+                 deadlines: Deadlines | None = None, retry: RetryPolicy | None = None,
+                 rtt_ms: float = 0.0, link: Link | None = None,
                  intra_op_threads: int | None = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
+        draft_dir = Path(draft_dir) if draft_dir is not None else default_draft_dir()
         self.tokenizer = EdgeTokenizer(draft_dir)
         self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
-        self.transport = Transport(address, api_key=api_key, rtt_ms=rtt_ms, timeout_s=timeout_s)
         self.protocol = protocol
-        # Measured rates of drafting vs Continue on this connection, across generations.
+        self.conn = Connection(address, api_key, deadlines or Deadlines(), retry or RetryPolicy(),
+                               link if link is not None else
+                               (DelayLink(rtt_ms) if rtt_ms else None))
+        # Measured rates of drafting vs cloud-side decoding on this connection.
         self.chooser = RateChooser()
-        self.info = self.transport.info()
-        self._check_compatible()
+        self.info = None
 
-    def _check_compatible(self) -> None:
-        info = self.info
+    async def connect(self) -> AsyncEdgeClient:
+        """Asks the verifier what it serves and refuses one with another tokenizer."""
+        self.info = info = await self.conn.info()
         if info.tokenizer_fingerprint != self.tokenizer.fingerprint:
             raise IncompatibleVerifier(
-                f"the verifier at {self.transport.address} serves {info.target_model!r} whose "
+                f"the verifier at {self.conn.address} serves {info.target_model!r} whose "
                 f"tokenizer ({info.tokenizer_fingerprint[:19]}...) differs from the draft's "
                 f"({self.tokenizer.fingerprint[:19]}...); token ids would mean different text")
         if info.vocab_size != self.model.vocab_size:
             raise IncompatibleVerifier(
                 f"the verifier's vocabulary has {info.vocab_size} ids but the draft model "
                 f"outputs {self.model.vocab_size}")
-
-    def close(self) -> None:
-        self.transport.close()
-
-    def __enter__(self) -> EdgeClient:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def __aenter__(self) -> AsyncEdgeClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
+        return list(prompt)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
-                 chat: bool = True) -> Generation:
+                 chat: bool = True) -> AsyncGeneration:
         """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        return Generation(self, ids, config)
+        if self.info is None:
+            raise RuntimeError("call connect() (or use `async with`) before generate()")
+        return AsyncGeneration(self, self.prompt_ids(prompt, chat), config)
 
 
-class Generation:
-    """One generation; iterate it for committed token chunks, or call ``text()``."""
+class AsyncGeneration:
+    """One generation: ``async for`` it for committed token chunks, or use ``text()``."""
 
-    def __init__(self, client: EdgeClient, prompt_ids: list[int],
+    def __init__(self, client: AsyncEdgeClient, prompt_ids: list[int],
                  config: GenerationConfig) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -174,113 +164,158 @@ class Generation:
         self.prompt_ids = list(prompt_ids)
         self.token_ids: list[int] = []  # generated so far
         self.stats = GenerationStats()
-        self.wire = WireStats()
 
-    def text(self) -> Iterator[str]:
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        cfg, client = self.config, self.client
+        adaptive = cfg.follow_suggested_draft_len
+        state = GenerationState(self.prompt_ids, cfg.session_params(),
+                                ServerLimits.from_info(client.info), cfg.draft_len,
+                                client.protocol, follow_suggestion=adaptive,
+                                chooser=client.chooser if adaptive else None)
+        drafter = make_drafter(cfg.drafter, client.model,
+                               DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p,
+                                             cfg.max_support),
+                               np.random.default_rng(cfg.seed))
+        rng = np.random.default_rng()  # back-off jitter only: never touches the output
+        async with contextlib.aclosing(generate(
+                client.conn, state, model_proposer(drafter, self.stats), self.stats,
+                client.info, rng)) as deliveries:
+            async for delivery in deliveries:
+                self.token_ids.extend(delivery.tokens)
+                yield delivery.tokens
+
+    async def text(self) -> AsyncIterator[str]:
         stream = TextStream(self.client.tokenizer)
-        for chunk in self:
-            piece = stream.push(chunk)
-            if piece:
+        async for chunk in self:
+            if piece := stream.push(chunk):
                 yield piece
 
+
+class EdgeClient:
+    """The synchronous API: an ``AsyncEdgeClient`` on a private event-loop thread."""
+
+    def __init__(self, address: str, draft_dir: str | Path | None = None,
+                 **options) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="edge-client",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._async = self._call(self._make(address, draft_dir, options))
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _make(address, draft_dir, options) -> AsyncEdgeClient:
+        client = AsyncEdgeClient(address, draft_dir, **options)
+        try:
+            return await client.connect()
+        except BaseException:
+            await client.close()
+            raise
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def tokenizer(self) -> EdgeTokenizer:
+        return self._async.tokenizer
+
+    @property
+    def info(self):
+        return self._async.info
+
+    @property
+    def protocol(self) -> str:
+        return self._async.protocol
+
+    def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
+                 chat: bool = True) -> Generation:
+        return Generation(self, self._async.generate(prompt, config, chat))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._async.close())
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> EdgeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_DONE = object()
+
+
+class Generation:
+    """One generation; iterate it for committed token chunks, or call ``text()``."""
+
+    def __init__(self, client: EdgeClient, inner: AsyncGeneration) -> None:
+        self._client = client
+        self._inner = inner
+        self._task: asyncio.Future | None = None
+        self._cancelled = threading.Event()
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._inner.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._inner.token_ids
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._inner.prompt_ids
+
+    def cancel(self) -> None:
+        """Stops the generation from any thread; the server's session closes at once."""
+        self._cancelled.set()
+        task = self._task
+        if task is not None:
+            self._client._loop.call_soon_threadsafe(task.cancel)
+
     def __iter__(self) -> Iterator[list[int]]:
-        cfg, client = self.config, self.client
-        started = time.perf_counter()
-        drafter = make_drafter(
-            cfg.drafter, client.model,
-            DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.max_support),
-            np.random.default_rng(cfg.seed))
-        state = GenerationRounds(
-            self.prompt_ids,
-            SessionParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                          top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
-                          stop_token_ids=tuple(cfg.stop_token_ids), ignore_eos=cfg.ignore_eos),
-            ServerLimits.from_info(client.info), cfg.draft_len,
-            follow_suggestion=cfg.follow_suggested_draft_len,
-            chooser=client.chooser if cfg.follow_suggested_draft_len else None)
-        if client.protocol == "lookahead":
+        if self._task is not None:
+            raise RuntimeError("a generation runs once")
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+
+        async def pump() -> None:
             try:
-                yield from self._lookahead(drafter, state)
+                async for chunk in self._inner:
+                    chunks.put(chunk)
+            except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
+                chunks.put(exc)
+                raise
             finally:
-                self._finish(started)
-            return
-        rounds = (StreamRounds if client.protocol == "stream" else UnaryRounds)(
-            client.transport, self.wire)
+                chunks.put(_DONE)
+
+        self._task = asyncio.run_coroutine_threadsafe(pump(), self._client._loop)
+        if self._cancelled.is_set():
+            self.cancel()
         try:
-            proposal = self._propose(drafter, state)
-            opened = rounds.open(state.open_request(proposal))
-            session_id = opened.session_id
-            yield from self._apply(state, proposal, opened.first_round)
-            while not state.finished:
-                t0 = time.perf_counter()
-                if state.wants_continue():  # the server decodes in the session
-                    before = len(state.committed)
-                    for result in rounds.continue_(state.continue_request(session_id)):
-                        yield from self._apply(state, NO_DRAFTS, result)
-                    state.observe(CONTINUE, len(state.committed) - before,
-                                  time.perf_counter() - t0)
-                    continue
-                proposal = self._propose(drafter, state)
-                result = rounds.verify(state.verify_request(session_id, proposal)).result
-                n = yield from self._apply(state, proposal, result)
-                state.observe(SPEC, n, time.perf_counter() - t0)
+            while (item := chunks.get()) is not _DONE:
+                if isinstance(item, asyncio.CancelledError):
+                    if self._cancelled.is_set():
+                        return
+                    raise item
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            rounds.end()
-            self._finish(started)
+            if not self._task.done():  # left early: end the stream, then return
+                self.cancel()
+                with contextlib.suppress(BaseException):
+                    self._task.result(timeout=10)
 
-    def _lookahead(self, drafter: Drafter, state: GenerationRounds) -> Iterator[list[int]]:
-        """The server decodes back to back; after each step, draft ahead and send it."""
-        stream = LookaheadStream(self.client.transport, self.wire, state.open_request(
-            self._propose(drafter, state, state.lookahead_len(opening=True))))
-        try:
-            for step in stream:
-                new = state.apply_step(step)
-                self.token_ids.extend(new)
-                self._account(step.num_drafted, step.num_accepted, len(new), 1, step.timing)
-                yield new
-                if state.finished:
-                    break  # the server keeps the stream open until we end it
-                if state.lookahead_len():
-                    stream.send(state.lookahead_request(
-                        self._propose(drafter, state, state.lookahead_len())))
-            if not state.finished:
-                raise ProtocolError("the Lookahead stream ended before the generation "
-                                    "finished")
-        finally:
-            stream.end()
-
-    def _finish(self, started: float) -> None:
-        stats = self.stats
-        stats.round_trips = self.wire.round_trips
-        stats.bytes_up, stats.bytes_down = self.wire.bytes_up, self.wire.bytes_down
-        stats.network_s = max(0.0, self.wire.call_s - stats.verify_s)
-        stats.wall_s = time.perf_counter() - started
-
-    def _apply(self, state: GenerationRounds, proposal: Proposal,
-               result: pb.RoundResult) -> Iterator[list[int]]:
-        """Applies one round's result and yields its new tokens; returns how many."""
-        new = state.apply(proposal, result)
-        self.token_ids.extend(new)
-        self._account(len(proposal.tokens), result.num_accepted, len(new),
-                      result.target_forwards, result.timing)
-        yield new
-        return len(new)
-
-    def _propose(self, drafter: Drafter, state: GenerationRounds,
-                 k: int | None = None) -> Proposal:
-        """``k`` drafts after the committed text for a lookahead, or (by default) the next
-        round's drafts, cut to what is worth verifying."""
-        t0 = time.perf_counter()
-        proposal = drafter.propose(state.committed, state.next_k() if k is None else k)
-        self.stats.draft_s += time.perf_counter() - t0
-        return proposal if k is not None else state.worth_sending(proposal)
-
-    def _account(self, drafted: int, accepted: int, emitted: int, forwards: int,
-                 timing: pb.Timing) -> None:
-        s = self.stats
-        s.rounds += 1
-        s.drafted += drafted
-        s.accepted += accepted
-        s.new_tokens += emitted
-        s.target_forwards += forwards
-        s.verify_s += (timing.queue_ns + timing.forward_ns) / 1e9
+    def text(self) -> Iterator[str]:
+        stream = TextStream(self._client.tokenizer)
+        for chunk in self:
+            if piece := stream.push(chunk):
+                yield piece

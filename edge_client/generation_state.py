@@ -1,15 +1,15 @@
-"""The round logic of one speculative generation, free of I/O: which K to draft, the
-OpenSession / Verify requests to send, and how a RoundResult is applied to the committed
-tokens. Both the sync client (edge_client.client) and the simulated fleet
-(edge_client.fleet) drive generations through it, so there is one implementation of the
-protocol's client side.
+"""The protocol state of one speculative generation, free of I/O: which K to draft, the
+messages to send, and how each Step the verifier streams back is checked and committed.
 
-Round numbers: a session's rounds are 0, 1, 2, ...; round 0 rides on OpenSession as its
-first draft. After an eviction (NOT_FOUND, "evicted") the generation reopens: a new session
-whose prompt is the full committed context, with the same sampling parameters and seed,
-max_new_tokens = what remains, the same stop ids, and the pending draft as its first draft.
-Its rounds start again at 0. The server's randomness depends only on (seed, committed
-length), so a reopened generation commits exactly what the evicted one would have.
+The client core (edge_client.core) drives it for the app API and the simulated fleet alike.
+
+Reopening: a session lives as long as its Session stream. When a stream is lost (the
+verifier restarted, a network cut, an eviction), the generation reopens a new session whose
+prompt is everything committed so far, with the same sampling parameters and seed,
+``max_new_tokens`` = what remains, and, as its first draft, the draft that was in flight
+(``pending``). The verifier's randomness at a position depends only on (seed, position), so
+with the same drafts a reopened generation commits exactly what an undisturbed one would
+have, greedy or sampled.
 """
 
 from __future__ import annotations
@@ -17,12 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge_client.drafter import Proposal
+from edge_client.errors import EdgeError
 from edge_client.rate_chooser import CONTINUE, RateChooser
 from shared.draft_length import worth_verifying
 from shared.pb import verifier_pb2 as pb
 
+ROUNDS = "rounds"
+LOOKAHEAD = "lookahead"
+CLOUD = "cloud"  # no drafts: the verifier's Generate RPC, the cloud-only baseline
+PROTOCOLS = (ROUNDS, LOOKAHEAD, CLOUD)
+_DRAFTING = {ROUNDS: pb.DRAFTING_ROUNDS, LOOKAHEAD: pb.DRAFTING_LOOKAHEAD}
 
-class ProtocolError(RuntimeError):
+
+class ProtocolError(EdgeError):
     """The verifier's reply is inconsistent with the request."""
 
 
@@ -41,6 +48,10 @@ class SessionParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+
+    def sampling_pb(self) -> pb.SamplingParams:
+        return pb.SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                                 top_p=self.top_p, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -64,40 +75,52 @@ def draft_to_pb(proposal: Proposal, confidence: bool = True) -> pb.Draft:
     return draft
 
 
-# The proposal a K = 0 round (a Continue stream's results) is applied with.
+# The proposal a K = 0 round (a Decode's steps) is applied with.
 NO_DRAFTS = Proposal([], None)
 
 
-class GenerationRounds:
+def ends_decode(request: pb.Decode, step: pb.Step) -> bool:
+    """Whether ``step`` is the last of a Decode: the generation finished, or the client asked
+    to stop once drafting pays and the server now suggests drafts (the verifier applies the
+    same rule; a Decode also ends after ``max_tokens`` steps)."""
+    return step.finished or (request.stop_when_drafting_pays and step.suggested_draft_len > 0)
+
+
+class GenerationState:
     """The committed tokens of one generation and the protocol state around them."""
 
     def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
-                 draft_len: int, follow_suggestion: bool = True,
+                 draft_len: int, protocol: str = ROUNDS, follow_suggestion: bool = False,
                  chooser: RateChooser | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if draft_len < 0:
             raise ValueError("draft_len must be >= 0")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         self.params = params
         self.limits = limits
         self.draft_len = draft_len
+        self.protocol = protocol
         # The server's suggestion depends on its load, so following it makes sampled outputs
         # depend on load too (still exact in distribution); off keeps them a function of
         # the seed alone.
         self.follow_suggestion = follow_suggestion
-        # Picks drafting or Continue by measured rate (edge_client.rate_chooser); None: draft
+        # Picks drafting or Decode by measured rate (edge_client.rate_chooser); None: draft
         # whenever K > 0.
         self.chooser = chooser
         self.prompt_len = len(prompt_ids)
         self.committed = list(prompt_ids)  # prompt + generated
         self.round_no = 0  # the number of the next round of the current session
-        self.suggested: int | None = None  # the last reply's suggested_draft_len
-        self.token_cost: float | None = None  # the last reply's draft_token_cost
+        self.suggested: int | None = None  # the last step's suggested_draft_len
+        self.token_cost: float | None = None  # the last step's draft_token_cost
         # Whether the drafts carry confidences: then the server's draft_token_cost, not its
         # suggested_draft_len, decides how many are sent (``worth_sending``).
         self.confident = False
         self.finished = False
         self.reopens = 0
+        # The round sent and not yet answered: a reopen sends it again as its first draft.
+        self.pending: Proposal | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -107,13 +130,16 @@ class GenerationRounds:
     def remaining(self) -> int:
         return self.params.max_new_tokens - (len(self.committed) - self.prompt_len)
 
+    def _room(self) -> int:
+        return min(self.limits.max_draft_len, self.remaining - 1,
+                   self.limits.max_context - len(self.committed) - 1)
+
     def next_k(self) -> int:
         """K for the next round: ours, capped by the server's suggestion and the room left."""
         k = self.draft_len
         if self.follow_suggestion and self.suggested is not None and not self.cut_by_cost:
             k = min(k, self.suggested)
-        room = self.limits.max_context - len(self.committed) - 1
-        return max(0, min(k, self.limits.max_draft_len, self.remaining - 1, room))
+        return max(0, min(k, self._room()))
 
     @property
     def cut_by_cost(self) -> bool:
@@ -127,123 +153,127 @@ class GenerationRounds:
             return proposal
         return proposal.prefix(worth_verifying(proposal.confidence, self.token_cost))
 
-    def open_request(self, proposal: Proposal) -> pb.OpenSessionRequest:
-        """Opens (or reopens) a session over everything committed so far."""
+    # -- messages -------------------------------------------------------------------------
+
+    def open_message(self, first: Proposal) -> pb.SessionRequest:
+        """Opens (or reopens) a session over everything committed so far. Rounds: ``first``
+        is round 0. Lookahead: it is the first lookahead, drafted after the committed text."""
         p = self.params
         self.round_no = 0
-        self.confident = proposal.confidence is not None
-        return pb.OpenSessionRequest(
-            prompt_token_ids=self.committed,
-            sampling=pb.SamplingParams(temperature=p.temperature, top_k=p.top_k,
-                                       top_p=p.top_p, seed=p.seed),
+        self.confident = first.confidence is not None
+        rounds = self.protocol == ROUNDS
+        if rounds:
+            self.pending = first
+        return pb.SessionRequest(open=pb.OpenSession(
+            prompt_token_ids=self.committed, sampling=p.sampling_pb(),
             max_new_tokens=self.remaining, stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos, first_draft=draft_to_pb(proposal))
+            ignore_eos=p.ignore_eos, drafting=_DRAFTING[self.protocol],
+            first_draft=draft_to_pb(first, confidence=not rounds)))
 
-    def reopen_request(self, proposal: Proposal) -> pb.OpenSessionRequest:
-        """After an eviction: the same generation on a new session, nothing lost."""
-        self.reopens += 1
-        return self.open_request(proposal)
+    def reopen_first(self) -> Proposal | None:
+        """The draft a reopen sends first: the round in flight when the stream was lost, so
+        that the output is what an undisturbed run commits. None: draft afresh."""
+        return self.pending if self.protocol == ROUNDS else None
 
-    def verify_request(self, session_id: str, proposal: Proposal) -> pb.VerifyRequest:
-        return pb.VerifyRequest(session_id=session_id, round=self.round_no,
-                                draft=draft_to_pb(proposal, confidence=False))
+    def verify_message(self, proposal: Proposal) -> pb.SessionRequest:
+        self.pending = proposal
+        return pb.SessionRequest(verify=pb.VerifyRound(
+            round=self.round_no, draft=draft_to_pb(proposal, confidence=False)))
 
-    def wants_continue(self) -> bool:
-        """Whether the next tokens should come from a Continue stream rather than a drafted
+    def wants_decode(self) -> bool:
+        """Whether the next tokens should come from cloud-side decoding rather than a drafted
         round: when K is 0 (the server's suggestion, our draft_len, or the room left), or
         when the chooser finds it faster. Call once per decision."""
         if self.next_k() == 0:
             return True
         return self.chooser is not None and self.chooser.choose() == CONTINUE
 
-    def continue_request(self, session_id: str) -> pb.ContinueRequest:
-        """After ``wants_continue()``: the server decodes in the session, no round trip per
-        token; each streamed RoundResult is applied with ``NO_DRAFTS``."""
+    def decode_message(self) -> pb.SessionRequest:
+        """After ``wants_decode()``: the server decodes in the session, no round trip per
+        token; each Step is applied with ``NO_DRAFTS``."""
+        self.pending = NO_DRAFTS
         if self.next_k() == 0:  # until drafting pays again (if we draft at all)
-            return pb.ContinueRequest(
-                session_id=session_id, round=self.round_no, max_tokens=self.remaining,
-                stop_when_drafting_pays=self.follow_suggestion and self.draft_len > 0)
-        assert self.chooser is not None
-        return pb.ContinueRequest(session_id=session_id, round=self.round_no,
-                                  max_tokens=min(self.remaining,
-                                                 self.chooser.continue_tokens()))
+            decode = pb.Decode(round=self.round_no, max_tokens=self.remaining,
+                               stop_when_drafting_pays=self.follow_suggestion
+                               and self.draft_len > 0)
+        else:
+            assert self.chooser is not None
+            decode = pb.Decode(round=self.round_no,
+                               max_tokens=min(self.remaining, self.chooser.continue_tokens()))
+        return pb.SessionRequest(decode=decode)
 
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
-        """Feeds the chooser: ``tokens`` delivered by a drafted round (SPEC) or a Continue
-        stream (CONTINUE) in ``seconds``, request to last reply."""
+        """Feeds the chooser: ``tokens`` delivered by a drafted round (SPEC) or a Decode
+        (CONTINUE) in ``seconds``, request to last reply."""
         if self.chooser is not None:
             self.chooser.observe(mode, tokens, seconds)
 
     def lookahead_len(self, opening: bool = False) -> int:
-        """Drafts for a Lookahead stream's next lookahead: 2K + 1 for the round's K (the
-        server takes K a forward; the rest covers what it commits while the lookahead is on
-        its way), or K when it opens the session (its first round verifies them at once).
-        With confidences, K is our draft_len whatever the suggestion."""
+        """Drafts for the next lookahead: 2K + 1 for the round's K (the server takes K a
+        forward; the rest covers what it commits while the lookahead is on its way), or K
+        when it opens the session (its first forward verifies them at once)."""
         k = self.next_k()
-        room = min(self.limits.max_draft_len, self.remaining - 1,
-                   self.limits.max_context - len(self.committed) - 1)
-        return max(0, min(k if opening else 2 * k + 1, room))
+        return max(0, min(k if opening else 2 * k + 1, self._room()))
 
-    def lookahead_request(self, proposal: Proposal) -> pb.LookaheadRequest:
+    def lookahead_message(self, proposal: Proposal) -> pb.SessionRequest:
         """A lookahead goes whole: the server cuts what it verifies by its confidences."""
         self.confident = proposal.confidence is not None
-        return pb.LookaheadRequest(lookahead=pb.LookaheadDraft(
+        return pb.SessionRequest(lookahead=pb.LookaheadDraft(
             base_length=len(self.committed), draft=draft_to_pb(proposal)))
 
-    def apply_step(self, step: pb.LookaheadStep) -> list[int]:
-        """Commits what one forward of a Lookahead stream committed; returns those tokens."""
+    # -- replies --------------------------------------------------------------------------
+
+    def apply(self, step: pb.Step, proposal: Proposal | None = None) -> list[int]:
+        """Checks and commits one Step; returns its new tokens. ``proposal``: the round's
+        drafts (rounds mode; NO_DRAFTS for a Decode's steps); None for a lookahead or a
+        Generate step, whose drafts the server picked."""
         if self.finished:
             raise ProtocolError("a step arrived after the generation finished")
         new = list(step.token_ids)
-        if step.num_accepted > step.num_drafted \
-                or any(not 0 <= t < self.limits.vocab_size for t in new):
-            raise ProtocolError(f"step accepts {step.num_accepted} of {step.num_drafted} "
-                                f"drafts and commits {new}")
+        n = step.num_accepted
+        if n > step.num_drafted or any(not 0 <= t < self.limits.vocab_size for t in new) \
+                or not new or len(new) > n + 1:
+            raise ProtocolError(f"step accepts {n} of {step.num_drafted} drafts and commits "
+                                f"{new}")
+        if proposal is not None:
+            if step.round != self.round_no:
+                raise ProtocolError(f"step answers round {step.round}, the client is at "
+                                    f"round {self.round_no}")
+            if step.num_drafted != len(proposal.tokens) \
+                    or new[:n] != proposal.tokens[:len(new)][:n]:
+                raise ProtocolError(f"step accepts {new[:n]} of {step.num_drafted} drafts, "
+                                    f"the client sent {proposal.tokens}")
+            self.round_no += 1
+            self.pending = None
         token_cost = _token_cost(step)
-        self._commit(new, step.committed_length, step.finished)
-        self.suggested = step.suggested_draft_len
-        self.token_cost = token_cost
-        return new
-
-    def apply(self, proposal: Proposal, result: pb.RoundResult) -> list[int]:
-        """Commits d_1..d_n + the next token (cut where the server says it finished);
-        returns the new tokens."""
-        if self.finished:
-            raise ProtocolError("a round result arrived after the generation finished")
-        k, n = len(proposal.tokens), result.num_accepted
-        if result.round != self.round_no:
-            raise ProtocolError(f"reply answers round {result.round}, the client sent round "
-                                f"{self.round_no}")
-        if n > k or not 0 <= result.next_token < self.limits.vocab_size:
-            raise ProtocolError(f"reply accepts {n} of {k} drafts with next token "
-                                f"{result.next_token}")
-        token_cost = _token_cost(result)
-        new = (proposal.tokens[:n] + [result.next_token])[:result.committed_length
-                                                           - len(self.committed)]
-        self._commit(new, result.committed_length, result.finished)
-        self.round_no += 1
-        self.suggested = (result.suggested_draft_len
-                          if result.HasField("suggested_draft_len") else None)
-        self.token_cost = token_cost
-        return new
-
-    def _commit(self, new: list[int], committed_length: int, finished: bool) -> None:
-        if len(self.committed) + len(new) != committed_length or not new:
-            raise ProtocolError(f"reply says committed length {committed_length}, "
+        if len(self.committed) + len(new) != step.committed_length:
+            raise ProtocolError(f"step says committed length {step.committed_length}, "
                                 f"the client has {len(self.committed)} + {len(new)}")
         self.committed.extend(new)
-        if self.remaining < 0 or (self.remaining == 0 and not finished):
+        if self.remaining < 0 or (self.remaining == 0 and not step.finished):
             raise ProtocolError(f"{len(self.generated)} tokens generated of "
-                                f"{self.params.max_new_tokens} and the reply says finished="
-                                f"{finished}")
-        self.finished = finished
+                                f"{self.params.max_new_tokens} and the step says finished="
+                                f"{step.finished}")
+        self.finished = step.finished
+        self.suggested = (step.suggested_draft_len if step.HasField("suggested_draft_len")
+                          else None)
+        self.token_cost = token_cost
+        return new
+
+    def generate_request(self) -> pb.GenerateRequest:
+        """The cloud-only baseline over everything committed so far (resumes after a loss)."""
+        p = self.params
+        return pb.GenerateRequest(prompt_token_ids=self.committed, sampling=p.sampling_pb(),
+                                  max_new_tokens=self.remaining,
+                                  stop_token_ids=list(p.stop_token_ids),
+                                  ignore_eos=p.ignore_eos)
 
 
-def _token_cost(reply) -> float | None:
-    """A reply's draft_token_cost, checked (None when absent)."""
-    if not reply.HasField("draft_token_cost"):
+def _token_cost(step: pb.Step) -> float | None:
+    """A step's draft_token_cost, checked (None when absent)."""
+    if not step.HasField("draft_token_cost"):
         return None
-    cost = reply.draft_token_cost
+    cost = step.draft_token_cost
     if not 0 <= cost < float("inf"):  # also false for NaN
         raise ProtocolError(f"draft_token_cost {cost} is not a finite cost >= 0")
     return cost

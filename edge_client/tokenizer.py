@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from shared.tokenizer_fingerprint import vocab_fingerprint
 
@@ -65,17 +66,14 @@ class EdgeTokenizer:
 
 
 class TextStream:
-    """Turns committed token chunks into printable text increments (no broken UTF-8)."""
+    """Turns committed token chunks into printable text increments with the `tokenizers`
+    incremental decoder: each token is decoded once, and a piece that ends inside a
+    multi-byte character waits for the tokens that complete it."""
 
     def __init__(self, tokenizer: EdgeTokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._printed = 0
+        self._tok = tokenizer._tok
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, ids: list[int]) -> str:
-        self._ids.extend(ids)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return ""
-        new, self._printed = text[self._printed:], len(text)
-        return new
+        pieces = (self._stream.step(self._tok, int(i)) for i in ids)
+        return "".join(p for p in pieces if p)

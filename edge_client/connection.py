@@ -1,0 +1,164 @@
+"""One device's connection to a verifier: the channel, the metadata every call carries, the
+deadlines, and the retry discipline (what is retried, how long to wait, when to give up).
+
+What is retried is read from the status's machine-readable details (shared.errors), never
+from its text:
+
+- an eviction or TTL expiry (NOT_FOUND with SESSION_EVICTED / SESSION_EXPIRED): reopen with
+  the committed context at once;
+- overload or drain (RESOURCE_EXHAUSTED / UNAVAILABLE with RetryInfo): wait the server's
+  delay, doubled per attempt without progress, with "equal jitter", then reopen;
+- a lost connection or stream (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, INTERNAL or UNKNOWN
+  with no ErrorInfo: the transport said it, not the verifier): the same back-off from
+  ``RetryPolicy.base_delay_s``.
+
+Everything else (bad input, authentication, a bug the verifier reports) is raised. A
+generation gives up when it has made no progress for ``RetryPolicy.budget_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from edge_client.errors import RequestRejected, VerifierUnavailable
+from edge_client.link import Link
+from shared import errors
+from shared.pb import verifier_pb2 as pb
+from shared.pb import verifier_pb2_grpc as pb_grpc
+
+# Drafts carry sparse q, so messages stay small; the cap bounds what a reply may cost.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+_TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                              grpc.StatusCode.UNKNOWN})
+_REOPEN_AT_ONCE = frozenset({errors.SESSION_EVICTED, errors.SESSION_EXPIRED})
+_RETRY_REASONS = _REOPEN_AT_ONCE | {errors.OVERLOADED, errors.DRAINING}
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every call and stream has one."""
+
+    call_s: float = 10.0  # a unary call (GetInfo)
+    reply_s: float = 30.0  # the longest wait for the next message on a stream
+    # A stream's own gRPC deadline. A generation that outlives it reopens, losing nothing.
+    stream_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if min(self.call_s, self.reply_s, self.stream_s) <= 0:
+            raise ValueError("deadlines must be > 0")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    base_delay_s: float = 0.1  # the first wait when the server gives no RetryInfo
+    max_delay_s: float = 5.0
+    budget_s: float = 60.0  # give up after this long without a new token
+
+    def __post_init__(self) -> None:
+        if self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s or self.budget_s < 0:
+            raise ValueError("need 0 <= base_delay_s <= max_delay_s and budget_s >= 0")
+
+
+def is_retryable(details: errors.ErrorDetails) -> bool:
+    if details.reason is not None:
+        return details.reason in _RETRY_REASONS
+    return details.code in _TRANSPORT_CODES
+
+
+def lost_connection(details: errors.ErrorDetails) -> bool:
+    """The failure says nothing about the session: the verifier may have restarted."""
+    return details.reason is None or details.reason == errors.DRAINING
+
+
+class Backoff:
+    """Waits between attempts of one generation; ``progress()`` resets it."""
+
+    def __init__(self, policy: RetryPolicy, rng: np.random.Generator) -> None:
+        self.policy = policy
+        self.rng = rng
+        self.attempt = 0
+        self.since = time.monotonic()
+        self.waited_s = 0.0
+
+    def progress(self) -> None:
+        self.attempt = 0
+        self.since = time.monotonic()
+
+    async def wait(self, details: errors.ErrorDetails) -> None:
+        """Waits before the next attempt, or raises VerifierUnavailable past the budget."""
+        if not is_retryable(details):
+            raise RequestRejected(details)
+        if time.monotonic() - self.since > self.policy.budget_s:
+            raise VerifierUnavailable(
+                f"no progress for {self.policy.budget_s:.0f} s; last error "
+                f"{details.code.name}: {details.message}")
+        attempt, self.attempt = self.attempt, self.attempt + 1
+        if details.reason in _REOPEN_AT_ONCE and attempt == 0:
+            return
+        base = details.retry_after_s if details.retry_after_s is not None \
+            else self.policy.base_delay_s
+        wait = min(self.policy.max_delay_s, base * 2 ** attempt)
+        wait = float(self.rng.uniform(wait / 2, wait))
+        self.waited_s += wait
+        await asyncio.sleep(wait)
+
+
+class Connection:
+    """An asyncio gRPC channel to one verifier. ``routing_key`` names a generation: every call
+    of it carries the same key (reopens included), so a gateway keeps it on one replica."""
+
+    def __init__(self, address: str, api_key: str | None = None,
+                 deadlines: Deadlines = Deadlines(), retry: RetryPolicy = RetryPolicy(),
+                 link: Link | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.address = address
+        self.deadlines = deadlines
+        self.retry = retry
+        self.link = link or Link()
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A silent partition or a frozen verifier is noticed by pings, not by waiting.
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Reconnect soon after a restart instead of gRPC's default back-off (up to 120 s);
+            # the generation's own back-off paces the attempts.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ]
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
+                        if credentials is not None
+                        else grpc.aio.insecure_channel(address, options=options))
+        self.stub = pb_grpc.VerifierServiceStub(self.channel)
+        self.routing_key = new_routing_key()  # for calls outside a generation
+
+    def metadata(self, routing_key: str | None = None) -> tuple[tuple[str, str], ...]:
+        return self._auth + ((errors.ROUTING_KEY, routing_key or self.routing_key),)
+
+    async def info(self) -> pb.GetInfoResponse:
+        try:
+            return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.deadlines.call_s,
+                                           metadata=self.metadata())
+        except grpc.aio.AioRpcError as err:
+            details = errors.details_of(err)
+            if is_retryable(details):
+                raise VerifierUnavailable(f"the verifier at {self.address} is unreachable: "
+                                          f"{details.code.name} {details.message}") from err
+            raise RequestRejected(details) from err
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def new_routing_key() -> str:
+    return secrets.token_hex(16)

@@ -1,0 +1,381 @@
+"""The client core: one generation against a verifier, surviving faults on the way.
+
+Both the app API (edge_client.client) and the simulated fleet run this code; only the
+drafting (``Propose``) and the network emulation (edge_client.link) are injected.
+
+A generation is a sequence of attempts, each one Session stream (or, cloud-only, one
+Generate stream) over everything committed so far:
+
+- rounds: open with round 0's drafts, then one Verify round per reply; when drafting does
+  not pay, a Decode has the verifier decode alone, no round trip per token;
+- lookahead: open, then the verifier decodes forward after forward while the device streams
+  drafts ahead of what it has received;
+- cloud: Generate, the target decoding every token (the baseline).
+
+When an attempt fails in a way retrying can fix (edge_client.connection), the generation
+waits as the server asks (or backs off with jitter) and reopens with its committed context;
+after a lost connection it first checks with GetInfo that the verifier still serves the
+same target. The output is unchanged (edge_client.generation_state). Leaving the generation
+early, or cancelling its task, cancels the stream, which closes the server's session at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+import grpc
+import numpy as np
+
+from edge_client.connection import Backoff, Connection, lost_connection, new_routing_key
+from edge_client.drafter import Proposal
+from edge_client.errors import IncompatibleVerifier
+from edge_client.generation_state import (
+    CLOUD,
+    LOOKAHEAD,
+    NO_DRAFTS,
+    GenerationState,
+    ProtocolError,
+    ends_decode,
+)
+from edge_client.link import until
+from edge_client.rate_chooser import CONTINUE, SPEC
+from shared.errors import ErrorDetails, details_of
+from shared.pb import verifier_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Drafts k tokens after the committed ids (k = 0 only resyncs the draft's cache).
+Propose = Callable[[list[int], int], Awaitable[Proposal]]
+# How long the core waits for the verifier to end a finished stream before cancelling it.
+_END_GRACE_S = 2.0
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    rounds: int = 0  # steps: target forwards that committed tokens for this generation
+    drafted: int = 0
+    accepted: int = 0
+    round_trips: int = 0
+    target_forwards: int = 0
+    bytes_up: int = 0  # serialized protobuf bytes sent
+    bytes_down: int = 0  # serialized protobuf bytes received
+    reopens: int = 0
+    draft_s: float = 0.0
+    wait_s: float = 0.0  # waiting for replies (network + the server's queue and forwards)
+    verify_s: float = 0.0  # the server's own queue + forward time
+    backoff_s: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["network_s"] = max(0.0, self.wait_s - self.verify_s)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["tokens_per_round"] = self.tokens_per_round
+        d["tokens_per_s"] = self.new_tokens / self.wall_s if self.wall_s else 0.0
+        return d
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Tokens the device has, from one target forward, with the costs charged to them."""
+
+    tokens: list[int]
+    at: float  # when the device has them (time.perf_counter(), after any emulated delay)
+    drafted: int
+    accepted: int
+    forwards: int
+    queue_s: float
+    forward_s: float
+    round_trips: int  # since the previous delivery, failed attempts included
+    bytes_up: int
+    bytes_down: int
+    decoded: bool = False  # from a Decode: the verifier decoded alone
+
+
+class _Wire:
+    """One generation's messages through the connection and its link, with accounting."""
+
+    def __init__(self, conn: Connection, stats: GenerationStats, routing_key: str) -> None:
+        self.conn = conn
+        self.stats = stats
+        self.metadata = conn.metadata(routing_key)
+        self.pending = [0, 0, 0]  # round trips, bytes up, bytes down not yet delivered
+
+    def session(self):
+        return self.conn.stub.Session(timeout=self.conn.deadlines.stream_s,
+                                      metadata=self.metadata)
+
+    async def write(self, call, message, round_trip: bool) -> None:
+        size = message.ByteSize()
+        self._count(round_trip, size, 0)
+        await self.conn.link.send(size)
+        await call.write(message)
+
+    async def read(self, call):
+        """The next message and when the device has it; None at the stream's end."""
+        t0 = time.perf_counter()
+        try:
+            message = await asyncio.wait_for(call.read(), self.conn.deadlines.reply_s)
+        finally:
+            self.stats.wait_s += time.perf_counter() - t0
+        if message is grpc.aio.EOF:
+            return None, time.perf_counter()
+        return message, self.arrived(message)
+
+    def arrived(self, message) -> float:
+        size = message.ByteSize()
+        self._count(False, 0, size)
+        return self.conn.link.arrival(size)
+
+    def _count(self, round_trip: bool, up: int, down: int) -> None:
+        s, p = self.stats, self.pending
+        s.round_trips += round_trip
+        s.bytes_up += up
+        s.bytes_down += down
+        p[0] += round_trip
+        p[1] += up
+        p[2] += down
+
+    def deliver(self, state: GenerationState, step: pb.Step, proposal: Proposal | None,
+                at: float, decoded: bool = False) -> Delivery:
+        new = state.apply(step, proposal)
+        s = self.stats
+        s.rounds += 1
+        s.new_tokens += len(new)
+        s.drafted += step.num_drafted
+        s.accepted += step.num_accepted
+        s.target_forwards += step.target_forwards
+        queue_s, forward_s = step.timing.queue_ns / 1e9, step.timing.forward_ns / 1e9
+        s.verify_s += queue_s + forward_s
+        (rt, up, down), self.pending = self.pending, [0, 0, 0]
+        return Delivery(new, at, step.num_drafted, step.num_accepted, step.target_forwards,
+                        queue_s, forward_s, rt, up, down, decoded)
+
+    async def end(self, call) -> None:
+        """Half-closes a finished stream and lets the verifier end it with its status."""
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            await call.done_writing()
+            while await asyncio.wait_for(call.read(), _END_GRACE_S) is not grpc.aio.EOF:
+                pass
+
+
+async def generate(conn: Connection, state: GenerationState, propose: Propose,
+                   stats: GenerationStats, info: pb.GetInfoResponse,
+                   rng: np.random.Generator) -> AsyncIterator[Delivery]:
+    """Runs one generation to its end, yielding each forward's tokens as the device has them.
+
+    Raises RequestRejected (a refusal retrying cannot fix), VerifierUnavailable (no progress
+    within the retry budget), IncompatibleVerifier (a restarted verifier serves another
+    target) or ProtocolError (a reply inconsistent with the request).
+    """
+    wire = _Wire(conn, stats, new_routing_key())
+    backoff = Backoff(conn.retry, rng)
+    attempt_of = {CLOUD: _cloud, LOOKAHEAD: _lookahead}.get(state.protocol, _rounds)
+    recheck = False
+    started = time.perf_counter()
+    try:
+        while not state.finished:
+            before = len(state.committed)
+            try:
+                if recheck:
+                    await _check_same_target(wire, info)
+                    recheck = False
+                async with contextlib.aclosing(attempt_of(wire, state, propose)) as attempt:
+                    async for delivery in attempt:
+                        backoff.progress()
+                        yield delivery
+                continue
+            except grpc.aio.AioRpcError as err:
+                details = details_of(err)
+            except TimeoutError:
+                details = ErrorDetails(grpc.StatusCode.DEADLINE_EXCEEDED, None, None,
+                                       f"no reply within {conn.deadlines.reply_s} s", {})
+            if len(state.committed) > before:
+                backoff.progress()
+            log.info("generation interrupted after %d tokens (%s %s: %s); reopening",
+                     len(state.generated), details.code.name, details.reason or "-",
+                     details.message)
+            await backoff.wait(details)
+            recheck = recheck or lost_connection(details)
+            state.reopens += 1
+            stats.reopens += 1
+    finally:
+        stats.backoff_s = backoff.waited_s
+        stats.wall_s = time.perf_counter() - started
+
+
+async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse) -> None:
+    now = await wire.conn.stub.GetInfo(pb.GetInfoRequest(), timeout=wire.conn.deadlines.call_s,
+                                       metadata=wire.metadata)
+    if (now.tokenizer_fingerprint, now.vocab_size) != (info.tokenizer_fingerprint,
+                                                       info.vocab_size):
+        raise IncompatibleVerifier(f"the verifier at {wire.conn.address} now serves "
+                                   f"{now.target_model!r}, whose tokenizer differs from the "
+                                   "one this generation started with")
+
+
+async def _rounds(wire: _Wire, state: GenerationState,
+                  propose: Propose) -> AsyncIterator[Delivery]:
+    """One Session stream of Verify rounds (and Decodes)."""
+    call = wire.session()
+    try:
+        first = state.reopen_first()
+        if first is None:
+            first = state.worth_sending(await propose(state.committed, state.next_k()))
+        await wire.write(call, state.open_message(first), round_trip=True)
+        yield await _answer(wire, call, state, first)
+        while not state.finished:
+            t0 = time.perf_counter()
+            before = len(state.committed)
+            if state.wants_decode():
+                message = state.decode_message()
+                await wire.write(call, message, round_trip=True)
+                for _ in range(message.decode.max_tokens):
+                    reply, at = await wire.read(call)
+                    step = _step_of(reply)
+                    await until(at)
+                    yield wire.deliver(state, step, NO_DRAFTS, at, decoded=True)
+                    if ends_decode(message.decode, step):
+                        break
+                state.observe(CONTINUE, len(state.committed) - before, time.perf_counter() - t0)
+                continue
+            proposal = state.worth_sending(await propose(state.committed, state.next_k()))
+            t0 = time.perf_counter()
+            await wire.write(call, state.verify_message(proposal), round_trip=True)
+            yield await _answer(wire, call, state, proposal)
+            state.observe(SPEC, len(state.committed) - before, time.perf_counter() - t0)
+        await wire.end(call)
+    finally:
+        call.cancel()
+
+
+async def _answer(wire: _Wire, call, state: GenerationState, proposal: Proposal) -> Delivery:
+    reply, at = await wire.read(call)
+    step = _step_of(reply)
+    await until(at)
+    return wire.deliver(state, step, proposal, at)
+
+
+def _step_of(reply) -> pb.Step:
+    if reply is None:
+        raise ProtocolError("the verifier ended the stream before the generation finished")
+    return reply.step
+
+
+class _Outbox:
+    """The next lookahead to send: a newer one replaces one not yet sent."""
+
+    def __init__(self) -> None:
+        self._message = None
+        self._ready = asyncio.Event()
+
+    def put(self, message) -> None:
+        self._message = message
+        self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        self._ready.clear()
+        message, self._message = self._message, None
+        return message
+
+
+async def _lookahead(wire: _Wire, state: GenerationState,
+                     propose: Propose) -> AsyncIterator[Delivery]:
+    """One Session stream in lookahead mode: the verifier decodes back to back; after each
+    step the device drafts ahead of what it has and sends that lookahead, without waiting."""
+    first = await propose(state.committed, state.lookahead_len(opening=True))
+    call = wire.session()
+    outbox, inbox = _Outbox(), asyncio.Queue()
+
+    async def send() -> None:
+        while (message := await outbox.get()) is not None:
+            await wire.write(call, message, round_trip=False)
+
+    async def receive() -> None:
+        # Read as soon as gRPC has a message, so that emulated delivery times are exact.
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                inbox.put_nowait((wire.arrived(message), message))
+            inbox.put_nowait(None)
+        except grpc.aio.AioRpcError as err:
+            inbox.put_nowait(err)
+
+    tasks: list[asyncio.Task] = []
+    try:
+        await wire.write(call, state.open_message(first), round_trip=True)
+        tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(receive())]
+        while not state.finished:
+            t0 = time.perf_counter()
+            try:
+                item = await asyncio.wait_for(inbox.get(), wire.conn.deadlines.reply_s)
+            finally:
+                wire.stats.wait_s += time.perf_counter() - t0
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            if item is None:
+                raise ProtocolError("the verifier ended the stream before the generation "
+                                    "finished")
+            at, reply = item
+            await until(at)
+            yield wire.deliver(state, reply.step, None, at)
+            if not state.finished and (k := state.lookahead_len()):
+                outbox.put(state.lookahead_message(await propose(state.committed, k)))
+        outbox.put(None)
+        with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+            await asyncio.wait_for(tasks[0], _END_GRACE_S)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await call.done_writing()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(tasks[1]), _END_GRACE_S)
+    finally:
+        call.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _cloud(wire: _Wire, state: GenerationState,
+                 propose: Propose) -> AsyncIterator[Delivery]:
+    """One Generate stream: the target decodes every token (no drafts)."""
+    request = state.generate_request()
+    wire._count(True, request.ByteSize(), 0)
+    await wire.conn.link.send(request.ByteSize())
+    call = wire.conn.stub.Generate(request, timeout=wire.conn.deadlines.stream_s,
+                                   metadata=wire.metadata)
+    try:
+        while not state.finished:
+            reply, at = await wire.read(call)
+            step = _step_of(reply)
+            await until(at)
+            yield wire.deliver(state, step, None, at)
+    finally:
+        call.cancel()
+
+
+def model_proposer(drafter, stats: GenerationStats) -> Propose:
+    """Drafts with ``drafter`` (edge_client.combined_drafter.Drafter) in a worker thread, so
+    that the event loop keeps reading the stream (onnxruntime releases the GIL)."""
+
+    async def propose(committed: list[int], k: int) -> Proposal:
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(drafter.propose, list(committed), k)
+        finally:
+            stats.draft_s += time.perf_counter() - t0
+
+    return propose

@@ -29,9 +29,9 @@ from cloud_verifier.packed_forward import (
     sequential_forward,
     supports_packing,
 )
+from cloud_verifier.sampling import target_probs
 from cloud_verifier.sessions import Session, position_seed
-from shared.sampling import target_probs
-from shared.verification import sparse_to_dense, verify, verify_greedy
+from cloud_verifier.verification import sparse_to_dense, verify, verify_greedy
 
 log = logging.getLogger(__name__)
 

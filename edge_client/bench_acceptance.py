@@ -197,8 +197,8 @@ def draft_trace(model, prompt: list[int], path: list[int]) -> tuple[np.ndarray, 
 def distances(target_logits: torch.Tensor, draft_logits: np.ndarray) -> dict[str, list[float]]:
     """Per position: KL(p || q) and TV(p, q) of the raw softmaxes; TV under the sampled mode's
     shaping (q truncated exactly as the edge samples it); whether the argmaxes agree."""
+    from cloud_verifier.sampling import SamplingParams, target_probs
     from edge_client.sampling import truncated_distribution
-    from shared.sampling import SamplingParams, target_probs
 
     p_log = torch.log_softmax(target_logits.double(), dim=-1)  # [n, V]
     q_log = torch.log_softmax(torch.from_numpy(draft_logits).double(), dim=-1)  # [n, V]
@@ -338,12 +338,12 @@ def replay_greedy_rounds(drafter, prompt: list[int], path: list[int], k: int,
 def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens: int,
             draft_len: int, threads: int | None = None) -> dict:
     from cloud_verifier.engine import VerifierEngine
+    from cloud_verifier.sampling import SamplingParams
     from cloud_verifier.sessions import SessionStore
     from edge_client.combined_drafter import CombinedDrafter, make_drafter
     from edge_client.draft_model import OnnxDraftModel
     from edge_client.drafter import DraftSampling
     from edge_client.ngram_drafter import NgramDrafter
-    from shared.sampling import SamplingParams
 
     model = OnnxDraftModel(draft_dir, intra_op_threads=threads)
     if model.vocab_size != target.vocab_size:

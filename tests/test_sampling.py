@@ -1,5 +1,5 @@
-"""Tests for shared.sampling (the target's p, torch) and edge_client.sampling (the draft's q,
-numpy), which must shape a row of logits identically."""
+"""Tests for cloud_verifier.sampling (the target's p, torch) and edge_client.sampling (the
+draft's q, numpy), which must shape a row of logits identically."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from cloud_verifier.sampling import SamplingParams, target_probs
 from edge_client.sampling import sample, truncated_distribution
-from shared.sampling import SamplingParams, target_probs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

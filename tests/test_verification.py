@@ -1,4 +1,4 @@
-"""Tests for shared.verification: exact residual algebra, hand-built certainties, seeded
+"""Tests for cloud_verifier.verification: exact residual algebra, hand-built certainties, seeded
 determinism, and the output distribution of the full draft + verify process."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.verification import residual_distribution, sparse_to_dense, verify, verify_greedy
+from cloud_verifier.verification import (
+    residual_distribution,
+    sparse_to_dense,
+    verify,
+    verify_greedy,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Statistical checks

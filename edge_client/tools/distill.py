@@ -19,7 +19,7 @@ export    Checkpoint -> HF dir -> ONNX (``export_draft.export_onnx``) -> dynamic
           MODEL_CARD.md holding the held-out acceptance of fp32 and int8 and the step latency.
 eval      Held-out acceptance of a checkpoint or of an ONNX draft directory.
 
-Notation as in ``shared.verification``: p is the target, q the draft, K the draft length.
+Notation as in ``cloud_verifier.verification``: p is the target, q the draft, K the draft length.
 
 Reduced vocabulary. A draft may keep only the ``--sub-vocab`` most frequent target tokens
 (plus one <unk> slot for inputs outside them): its head is much cheaper, and this is lossless

@@ -5,7 +5,7 @@ Notation, used throughout the project:
 - p is the target distribution, q the draft distribution, both over a vocabulary of V tokens;
 - K is the draft length: the device proposes tokens x_1 .. x_K, x_i sampled from q_i;
 - p_1 .. p_{K+1} are the target's distributions at those positions (p_i judges x_i, p_{K+1}
-  follows the last draft), already shaped by ``shared.sampling.target_probs``.
+  follows the last draft), already shaped by ``cloud_verifier.sampling.target_probs``.
 
 One round emits n + 1 tokens:
 

@@ -34,7 +34,7 @@ class VerifierConfig:
     # Beyond this many queued rounds, new rounds get RESOURCE_EXHAUSTED.
     max_queued_rounds: int = 256
     # Cost of one verified token and of one more session, relative to a forward's fixed cost
-    # (see draft_policy; python -m cloud_verifier.bench_verify_cost measures them). With
+    # (see draft_policy; python -m cloud_verifier.bench.verify_cost measures them). With
     # fit_verify_cost they are the prior of an online fit to the server's own forwards.
     verify_token_cost: float = DEFAULT_TOKEN_COST
     verify_session_cost: float = DEFAULT_SESSION_COST

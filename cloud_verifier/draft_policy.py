@@ -12,7 +12,7 @@ than they commit.
 The server fits s and t online to its own forwards (``VerifyCostModel``); the constants
 below are its prior and what it uses with ``--fixed-verify-cost``.
 s = 0.032 and t = 0.020 are a least-squares fit of the packed verify forward on the project's
-2-core CPU (``python -m cloud_verifier.bench_verify_cost``, which prints the fit for any
+2-core CPU (``python -m cloud_verifier.bench.verify_cost``, which prints the fit for any
 machine; ``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it): about
 118 ms fixed, 3.8 ms per session and 2.4 ms per token, for 2..160 tokens (2026-11-30, after
 the few-row projection change in packed_forward; two earlier runs fitted 0.038/0.018 and

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cloud_verifier import bench_layout
-from cloud_verifier.bench_verify_cost import (
+from cloud_verifier.bench import layout as bench_layout
+from cloud_verifier.bench.verify_cost import (
     best_gain,
     break_even_alpha,
     doubling_bound,

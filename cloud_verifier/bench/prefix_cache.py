@@ -1,6 +1,6 @@
 """What prefix caching saves a follow-up request: time to first token, cache on and off.
 
-    python -m cloud_verifier.bench_prefix_cache [--model PATH] [--contexts 64 256 1024]
+    python -m cloud_verifier.bench.prefix_cache [--model PATH] [--contexts 64 256 1024]
         [--repeats 5]
 
 A multi-turn chat, or an IME client whose text field holds a long document, sends a prompt

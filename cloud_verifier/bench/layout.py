@@ -1,6 +1,6 @@
 """Why the verifier packs sessions without padding: a side-by-side timing.
 
-    python -m cloud_verifier.bench_layout [--model PATH] [--batches 1 4 8 16] [--k 4]
+    python -m cloud_verifier.bench.layout [--model PATH] [--batches 1 4 8 16] [--k 4]
 
 For B sessions with different context lengths (64..320 tokens) and K drafts each, times one
 verification step three ways on the same model, median of ``--repeats``:
@@ -21,7 +21,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from cloud_verifier.bench_verify_cost import context_lengths, prefilled_kvs
+from cloud_verifier.bench.verify_cost import context_lengths, prefilled_kvs
 from cloud_verifier.packed_forward import Segment, packed_forward
 from cloud_verifier.target_model import load_target
 

@@ -1,6 +1,6 @@
 """What verifying K drafts costs against decoding one token, per batch size, on this machine.
 
-    python -m cloud_verifier.bench_verify_cost [--model PATH] [--batches 1 2 4 8 16]
+    python -m cloud_verifier.bench.verify_cost [--model PATH] [--batches 1 2 4 8 16]
         [--max-k 4] [--alphas 0.5 0.65 0.8]
 
 For B sessions (context lengths 64..320, within the model's context) it times one packed

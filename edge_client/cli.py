@@ -12,10 +12,7 @@ import contextlib
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -24,7 +21,6 @@ from shared.paths import default_draft_dir
 PROTOCOL_HELP = ("rounds: a Verify round trip per round of drafts; lookahead: the verifier "
                  "decodes back to back while the device streams drafts ahead (no round trip "
                  "in the loop); cloud: the target decodes every token (no drafts)")
-EMBEDDED_START_S = 300.0
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -60,58 +56,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "overloaded); retries back off with jitter as the server asks")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def embedded_verifier(model: str | None):
-    """A verifier process on a free loopback port, stopped (SIGTERM) at the end."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "WARNING"]
-    if model:
-        cmd += ["--model", model]
-    proc = subprocess.Popen(cmd)
-    address = f"127.0.0.1:{port}"
-    try:
-        _wait_serving(address, proc)
-        yield address
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _wait_serving(address: str, proc: subprocess.Popen) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + EMBEDDED_START_S
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"edge-client: the embedded verifier exited with code "
-                                 f"{proc.returncode}")
-            with contextlib.suppress(grpc.RpcError):
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.2)
-    raise SystemExit(f"edge-client: the embedded verifier was not serving after "
-                     f"{EMBEDDED_START_S:.0f} s")
-
-
 @contextlib.contextmanager
 def verifier_address(args: argparse.Namespace):
     if args.embedded:
-        with embedded_verifier(args.model) as address:
-            yield address
+        from edge_client.local_verifier import VerifierStartError, local_verifier
+
+        try:
+            with local_verifier(args.model) as address:
+                yield address
+        except VerifierStartError as err:
+            raise SystemExit(f"edge-client: --embedded: {err}") from err
     else:
         yield args.server
 

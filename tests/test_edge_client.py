@@ -3,10 +3,12 @@ loopback port, real gRPC in between."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -14,11 +16,14 @@ import pytest
 import torch
 
 from cloud_verifier.config import VerifierConfig
+from cloud_verifier.sampling import SamplingParams, target_probs
 from cloud_verifier.server import EmbeddedVerifier
-from edge_client.client import EdgeClient, GenerationConfig, IncompatibleVerifier
+from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
+from edge_client.connection import Deadlines
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
-from shared.sampling import SamplingParams, target_probs
+from edge_client.errors import IncompatibleVerifier
+from edge_client.tokenizer import EdgeTokenizer, TextStream
 
 PROMPT = [1, 17, 42, 5, 63, 8]
 
@@ -41,18 +46,10 @@ def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_edge_runtime_does_not_import_torch():
-    code = ("import sys\n"
-            "import edge_client.cli, edge_client.client, edge_client.drafter, "
-            "edge_client.draft_model, edge_client.sampling, edge_client.tokenizer, "
-            "edge_client.transport\n"
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.strip() == "False"
+PROTOCOLS = ["rounds", "lookahead", "cloud"]
 
 
-@pytest.mark.parametrize("protocol", ["stream", "unary", "lookahead"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("draft_len", [1, 4])
 def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, protocol,
                                       draft_len):
@@ -64,13 +61,100 @@ def test_greedy_output_is_the_targets(verifier, tiny_llama_pair, target, protoco
     assert gen.token_ids == want
     assert [t for chunk in chunks for t in chunk] == want
     s = gen.stats
-    if protocol == "lookahead":  # one stream for the whole generation
-        assert s.round_trips == 1 and s.rounds == s.target_forwards <= 40
-    else:  # the first round rides on OpenSession; the server closes the session itself
+    if protocol == "rounds":  # round 0 rides on the open; one round trip a round
         assert s.round_trips == s.rounds == s.target_forwards
-    assert s.new_tokens == 40
+        assert s.drafted > 0
+    else:  # one stream for the whole generation
+        assert s.round_trips == 1 and s.rounds == s.target_forwards <= 40
+    if protocol == "cloud":
+        assert s.drafted == 0 and s.rounds == 40
+    assert s.new_tokens == 40 and s.reopens == 0
     assert 0 <= s.accepted <= s.drafted
     assert s.bytes_up > 0 and s.bytes_down > 0
+
+
+def test_async_api_gives_the_same_text(verifier, tiny_llama_pair, target):
+    want = hf_greedy(target, PROMPT, 16)
+
+    async def run() -> tuple[list[int], str]:
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
+            ids: list[int] = []
+            async for chunk in c.generate(PROMPT, GenerationConfig(max_new_tokens=16,
+                                                                   ignore_eos=True)):
+                ids.extend(chunk)
+            text = "".join([piece async for piece in c.generate(
+                PROMPT, GenerationConfig(max_new_tokens=16, ignore_eos=True)).text()])
+            return ids, text
+
+    ids, text = asyncio.run(run())
+    assert ids == want
+    assert text == EdgeTokenizer(tiny_llama_pair.draft_dir).decode(want)
+
+
+def test_text_stream_pieces_add_up_to_the_full_decode(tiny_llama_pair):
+    tok = EdgeTokenizer(tiny_llama_pair.draft_dir)
+    ids = [5, 17, 2, 40, 41, 3, 90]  # 2 is </s>, a special token the text leaves out
+    stream = TextStream(tok)
+    assert "".join(stream.push([i]) for i in ids) == tok.decode(ids)
+
+
+def test_same_seed_same_sampled_output(client):
+    config = GenerationConfig(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7,
+                              draft_len=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        gen = client.generate(PROMPT, config)
+        list(gen)
+        runs.append(gen.token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 24
+
+
+def active_sessions(verifier) -> int:
+    return len(verifier.server.service.store)
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.parametrize("protocol", ["rounds", "lookahead"])
+def test_leaving_early_closes_the_server_session_at_once(verifier, tiny_llama_pair,
+                                                         protocol):
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol=protocol,
+                    rtt_ms=20) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=100, ignore_eos=True))
+        for _ in gen:
+            assert active_sessions(verifier) == 1
+            break
+        assert wait_for(lambda: active_sessions(verifier) == 0, 2.0)
+    assert 0 < len(gen.token_ids) < 100
+
+
+@pytest.mark.parametrize("protocol", ["rounds", "lookahead"])
+def test_cancel_from_another_thread_stops_the_generation(verifier, tiny_llama_pair, protocol):
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol=protocol,
+                    rtt_ms=20) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=100, ignore_eos=True))
+        seen: list[int] = []
+        for chunk in gen:
+            seen.extend(chunk)
+            if len(seen) >= 3:
+                threading.Thread(target=gen.cancel).start()
+        assert 3 <= len(seen) < 100
+        assert wait_for(lambda: active_sessions(verifier) == 0, 2.0)
+
+
+def test_a_cancelled_generation_never_starts_a_session(verifier, tiny_llama_pair):
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=10))
+        gen.cancel()
+        assert list(gen) == []
+    assert active_sessions(verifier) == 0
 
 
 def test_lookahead_with_an_injected_rtt_keeps_the_output(verifier, tiny_llama_pair, target):
@@ -89,9 +173,22 @@ def test_lookahead_with_an_injected_rtt_keeps_the_output(verifier, tiny_llama_pa
     assert first_s >= 0.06 and gen.stats.round_trips == 1
 
 
+def test_a_generation_longer_than_the_stream_deadline_reopens_and_finishes(
+        verifier, tiny_llama_pair, target):
+    """A stream's gRPC deadline bounds the stream, not the generation: past it the client
+    reopens with its committed context, and the output is unchanged."""
+    want = hf_greedy(target, PROMPT, 40)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol="lookahead",
+                    rtt_ms=40, deadlines=Deadlines(stream_s=0.5)) as c:
+        gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+        list(gen)
+    assert gen.token_ids == want
+    assert gen.stats.reopens >= 1
+
+
 def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llama_pair,
                                                              target):
-    """draft_len = 0: after the open, one Continue stream carries every remaining token."""
+    """draft_len = 0: after the open, one Decode carries every remaining token."""
     want = hf_greedy(target, PROMPT, 20)
     with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
         gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=20, draft_len=0,
@@ -102,20 +199,20 @@ def test_without_drafts_the_server_decodes_in_one_round_trip(verifier, tiny_llam
     assert s.round_trips == 2 and s.rounds == s.target_forwards == 20 and s.drafted == 0
 
 
-@pytest.mark.parametrize("protocol", ["stream", "unary"])
-def test_adaptive_client_mixes_drafting_and_continue_and_keeps_the_output(
-        verifier, tiny_llama_pair, target, protocol):
-    """follow_suggested_draft_len: the client measures drafting, then Continue, and picks by
+def test_adaptive_client_mixes_drafting_and_decode_and_keeps_the_output(
+        verifier, tiny_llama_pair, target):
+    """follow_suggested_draft_len: the client measures drafting, then Decode, and picks by
     rate; greedy output is the target's whichever it picks."""
     want = hf_greedy(target, PROMPT, 30)
-    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol=protocol) as c:
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as c:
         config = GenerationConfig(max_new_tokens=30, draft_len=3, ignore_eos=True,
                                   follow_suggested_draft_len=True)
         for _ in range(2):  # the second generation starts from the first one's rates
             gen = c.generate(PROMPT, config)
             list(gen)
             assert gen.token_ids == want
-        assert c.chooser.rate["spec"] is not None and c.chooser.rate["continue"] is not None
+        chooser = c._async.chooser
+        assert chooser.rate["spec"] is not None and chooser.rate["continue"] is not None
         s = gen.stats
         assert s.round_trips <= s.rounds == s.target_forwards
 
@@ -245,14 +342,39 @@ def _draft_joint(model: OnnxDraftModel, prompt: list[int], temperature: float,
 
 
 def test_cli_generate_json(tiny_llama_pair, capsys):
+    """--embedded starts a verifier process; --json - prints the stats object on stdout."""
     from edge_client.cli import main
 
-    rc = main(["generate", "--embedded", "--target", str(tiny_llama_pair.target_dir),
+    rc = main(["generate", "--embedded", "--model", str(tiny_llama_pair.target_dir),
                "--draft-dir", str(tiny_llama_pair.draft_dir), "--prompt", "t5 t6 t7", "--raw",
-               "--max-new-tokens", "12", "--json"])
+               "--max-new-tokens", "12", "--json", "-"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) <= 12 and out["token_ids"]
-    for key in ("acceptance_rate", "tokens_per_round", "round_trips", "target_forwards",
-                "bytes_up", "bytes_down", "draft_s", "network_s", "verify_s", "wall_s"):
+    for key in ("new_tokens", "rounds", "drafted", "accepted", "round_trips",
+                "target_forwards", "bytes_up", "bytes_down", "tokens_per_s",
+                "acceptance_rate", "tokens_per_round", "draft_s", "network_s", "verify_s",
+                "wall_s", "reopens"):
         assert key in out["stats"]
+
+
+def test_cli_says_what_failed_without_a_traceback(tiny_llama_pair):
+    """No verifier at the address: a one-line error and exit code 2 once the retry budget
+    is spent."""
+    out = subprocess.run(
+        [sys.executable, "-m", "edge_client.cli", "generate", "--server", "127.0.0.1:9",
+         "--draft-dir", str(tiny_llama_pair.draft_dir), "--prompt", "t5", "--raw",
+         "--retry-budget-s", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "VerifierUnavailable" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_version_and_help_need_no_torch():
+    code = ("import sys, contextlib, io\n"
+            "from edge_client.cli import build_parser\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "    build_parser().parse_args(['--version'])\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -1,4 +1,4 @@
-"""``edge-client bench`` on the tiny pair: every case reproduces the target, and case (b)
+"""``edgespec-bench edge`` on the tiny pair: every case reproduces the target, and case (b)
 is skipped, not faked, when the draft has no PyTorch copy."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import json
 
 
 def run(tmp_path, pair, *extra: str) -> dict:
-    from edge_client.cli import main
+    from edge_client.bench.cli import main
 
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--json", str(out), "--target", str(pair.target_dir), "--draft-dir",
+    rc = main(["edge", "--json", str(out), "--target", str(pair.target_dir), "--draft-dir",
                str(pair.draft_dir), "--prompts", "2", "--max-new-tokens", "6",
                "--draft-len", "3", "--rtt-ms", "10", *extra])
     assert rc == 0

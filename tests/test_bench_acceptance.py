@@ -1,4 +1,4 @@
-"""``edge-client bench-acceptance`` on the tiny pair: the report's fields and ranges, and one
+"""``edgespec-bench acceptance`` on the tiny pair: the report's fields and ranges, and one
 exact case, a draft that is the target itself."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ MAX_NEW = 12
 
 
 def run(tmp_path, target_dir, draft_dir, name: str) -> dict:
-    from edge_client.cli import main
+    from edge_client.bench.cli import main
 
     out = tmp_path / f"{name}.json"
-    rc = main(["bench-acceptance", "--json", str(out), "--target", str(target_dir),
+    rc = main(["acceptance", "--json", str(out), "--target", str(target_dir),
                "--draft-dir", str(draft_dir), "--prompts", "2", "--max-new-tokens",
                str(MAX_NEW), "--draft-len", str(K), "--threads", "1"])
     assert rc == 0
@@ -95,7 +95,7 @@ def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path
     from transformers import AutoModelForCausalLM
 
     from cloud_verifier.target_model import load_target
-    from edge_client.bench_acceptance import (
+    from edge_client.bench.acceptance import (
         PathDrafter,
         draft_trace,
         replay_greedy_rounds,
@@ -139,7 +139,7 @@ def test_full_round_tokens_per_round_is_the_steady_state_formula():
     is ~1.3, so the standard error is ~0.01); threshold 0.04."""
     import numpy as np
 
-    from edge_client.bench_acceptance import ReplayCount, replay_greedy_rounds
+    from edge_client.bench.acceptance import ReplayCount, replay_greedy_rounds
     from edge_client.drafter import Proposal
 
     alpha, k, n_new = 0.6, 4, 16

@@ -1,4 +1,4 @@
-"""``edge-client bench-acceptance``: how much of each drafter's output the target accepts.
+"""``edgespec-bench acceptance``: how much of each drafter's output the target accepts.
 
 Everything runs in one process, without gRPC: the target in PyTorch behind the verifier's own
 ``VerifierEngine`` and ``SessionStore`` (the same math and cache rollback as the server), the

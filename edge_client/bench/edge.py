@@ -1,4 +1,4 @@
-"""``edge-client bench``: the same prompts through six decoders, side by side in one run.
+"""``edgespec-bench edge``: the same prompts through six decoders, side by side in one run.
 
 (a) the target alone, transformers greedy ``generate``;
 (b) transformers assisted generation (``assistant_model``) with the same draft weights in

@@ -1,0 +1,9 @@
+"""Offline benchmarks of the edge side (``edgespec-bench``); they import torch and the verifier.
+
+- ``edge``: the same prompts through the target alone, transformers assisted generation and
+  edgespec (loopback and with an injected RTT), side by side;
+- ``acceptance``: how much of each drafter's output the target accepts, in-process;
+- ``cli``: the ``edgespec-bench`` command.
+
+The device runtime never imports this package.
+"""

@@ -19,24 +19,15 @@ from transformers import AutoModelForCausalLM
 
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
-from edge_client.tools.distill import (
-    ArchConfig,
-    ExportConfig,
-    GenConfig,
-    TrainConfig,
-    VocabMap,
-    build_draft,
-    export,
-    gen_data,
-    list_shards,
-    load_run,
-    load_samples,
-    onnx_logits_fn,
-    torch_logits_fn,
-    train,
-    untie_lm_head,
-)
-from edge_client.tools.distill_prompts import DistillPrompt, prompt_split
+from edge_client.tools.distill.data import GenConfig, gen_data
+from edge_client.tools.distill.evaluate import onnx_logits_fn, torch_logits_fn
+from edge_client.tools.distill.export import ExportConfig, export
+from edge_client.tools.distill.model import ArchConfig, build_draft, load_run
+from edge_client.tools.distill.prompts import DistillPrompt, prompt_split
+from edge_client.tools.distill.quantize import untie_lm_head
+from edge_client.tools.distill.shards import list_shards, load_samples
+from edge_client.tools.distill.train import TrainConfig, train
+from edge_client.tools.distill.vocab import VocabMap
 
 SUB_VOCAB = 48  # of the tiny 96: exercises the reduced-vocabulary path
 TINY_ARCH = ArchConfig(init="scratch", hidden=32, layers=1, heads=4, kv_heads=2,
@@ -80,7 +71,7 @@ def test_prompt_split_is_deterministic_and_disjoint():
 
 @pytest.mark.parametrize("split", ["extra", "extra2", "extra3", "extra4"])
 def test_extra_split_adds_training_topics_without_touching_heldout(split):
-    from edge_client.tools import distill_prompts as dp
+    from edge_client.tools.distill import prompts as dp
 
     heldout, extra = prompt_split("heldout"), prompt_split(split)
     assert len(extra) >= 1000

@@ -122,7 +122,7 @@ def load_heldout_prompts(limit: int | None) -> tuple[list[tuple[str, bool, str]]
     its prompts grouped by kind and topic.
     """
     try:
-        from edge_client.tools.distill_prompts import prompt_split
+        from edge_client.tools.distill.prompts import prompt_split
     except ImportError:
         from shared.prompts import CHAT_PROMPTS
 
@@ -130,7 +130,7 @@ def load_heldout_prompts(limit: int | None) -> tuple[list[tuple[str, bool, str]]
         source = "shared.prompts.CHAT_PROMPTS"
     else:
         prompts = [(p.text, bool(p.chat), p.kind) for p in prompt_split("heldout")]
-        source = "edge_client.tools.distill_prompts.prompt_split('heldout')"
+        source = "edge_client.tools.distill.prompts.prompt_split('heldout')"
     if limit is not None and limit < len(prompts):
         prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
     return prompts, source

@@ -1,0 +1,27 @@
+"""Distil the target into a small ONNX draft, resumably (``edgespec-distill``, see ``cli``).
+
+One module per stage; each stage checkpoints, so it can be killed at any moment and rerun:
+
+- ``data`` (``gen-data``): the target continues the distillation prompts and records, for
+  every generated token, the top-k ids and log-probabilities of its distribution p at
+  temperature 1, one ``shard-NNNNN.npz`` (``shards``) per ``--shard-size`` prompts; with
+  ``--draft-run`` a trained draft writes the continuations and the target labels them.
+- ``train``: a draft ``LlamaForCausalLM`` (``model``) against those sparse distributions,
+  KL(p_topk || q) + w * TV(p_topk, q); per-token acceptance of speculative sampling is
+  1 - TV(p, q), so TV is the quantity that matters, while KL gives the better gradients early.
+- ``export``: checkpoint -> HF dir -> ONNX -> dynamic int8 (``quantize``), with a
+  MODEL_CARD.md (``card``) holding the held-out acceptance of fp32 and int8.
+- ``evaluate`` (``eval``): held-out acceptance of a checkpoint or of an ONNX draft directory.
+- ``prompts``: the distillation prompts (data files) and their fixed held-out split.
+
+Notation as in ``cloud_verifier.verification``: p is the target, q the draft, K the draft
+length.
+
+Reduced vocabulary (``vocab``). A draft may keep only the ``--sub-vocab`` most frequent target
+tokens (plus one <unk> slot for inputs outside them): its head is much cheaper, and this is
+lossless because q is simply 0 elsewhere. ``vocab_map.npz`` beside the ONNX model
+(``sub_to_full``, -1 for the <unk> slot, and ``full_vocab_size``) lets ``OnnxDraftModel`` keep
+taking and returning full-vocabulary ids and logits.
+
+Importing this package imports nothing else; none of its modules imports torch at module level.
+"""

@@ -1,0 +1,160 @@
+"""``edgespec-distill``: distil the target into a small ONNX draft, resumably.
+
+Subcommands (each one checkpoints; kill it at any moment and rerun the same command):
+``gen-data`` (module ``data``), ``train`` (``train``), ``export`` (``export``) and ``eval``
+(``evaluate``); the package docstring says what each does. A stage's module is imported when
+its subcommand runs, and none imports torch at module level, so ``--help`` and ``--version``
+load no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+
+from edge_client.tools.distill.prompts import SPLITS
+
+log = logging.getLogger("edgespec.distill")
+
+
+def _parse_layers(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
+
+
+def parse_args(argv: Sequence[str] | None):
+    p = argparse.ArgumentParser(prog="edgespec-distill", description=__doc__.split("\n")[0])
+    p.add_argument("--version", action="version", version=f"edgespec {version('edgespec')}")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("gen-data", help="record the target's top-k distributions")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--target", type=Path, default=None)
+    g.add_argument("--split", choices=SPLITS, default="train")
+    g.add_argument("--shard-size", type=int, default=64)
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--top-k", type=int, default=64)
+    g.add_argument("--sample-fraction", type=float, default=0.5,
+                   help="share of prompts continued by sampling (the rest greedy)")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-prompts", type=int, default=0)
+    g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--worker", default="0/1",
+                   help="i/n: run as worker i of n parallel processes (disjoint shards)")
+    g.add_argument("--draft-run", type=Path, default=None,
+                   help="on-policy data: this training run's draft writes the continuations, "
+                        "the target labels them")
+
+    t = sub.add_parser("train", help="distil a draft (resumes from <run-dir>/ckpt.pt)")
+    t.add_argument("--run-dir", type=Path, required=True)
+    t.add_argument("--data", type=Path, nargs="+", required=True, help="gen-data dirs")
+    t.add_argument("--init-from", type=Path, default=None,
+                   help="start from this finished run's architecture, vocabulary and weights")
+    t.add_argument("--heldout", type=Path, default=None, help="gen-data dir of held-out prompts")
+    t.add_argument("--target", type=Path, default=None)
+    t.add_argument("--init", choices=["scratch", "pca", "target"], default="scratch")
+    t.add_argument("--hidden", type=int, default=256)
+    t.add_argument("--layers", type=int, default=4)
+    t.add_argument("--heads", type=int, default=4)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--intermediate", type=int, default=768)
+    t.add_argument("--target-layers", type=_parse_layers, default=(),
+                   help="init=target: comma-separated target layers to copy, e.g. 0,1,2,29")
+    t.add_argument("--sub-vocab", type=int, default=16384, help="0: the full vocabulary")
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--tv-weight", type=float, default=1.0)
+    t.add_argument("--max-len", type=int, default=320)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--ckpt-every-s", type=float, default=300.0)
+    t.add_argument("--ckpt-every-steps", type=int, default=0)
+    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--eval-samples", type=int, default=64)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--threads", type=int, default=0)
+    t.add_argument("--lr-steps", type=int, default=0,
+                   help="cosine horizon (default --steps); fix it to extend a run unchanged")
+
+    e = sub.add_parser("export", help="ONNX + int8 + MODEL_CARD.md from a run's checkpoint")
+    e.add_argument("--run-dir", type=Path, required=True)
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--heldout", type=Path, default=None)
+    e.add_argument("--target", type=Path, default=None)
+    e.add_argument("--fp32-out", type=Path, default=None)
+    e.add_argument("--eval-samples", type=int, default=0)
+    e.add_argument("--no-quantize", action="store_true")
+    e.add_argument("--no-target-timing", action="store_true")
+    e.add_argument("--threads", type=int, default=0)
+
+    v = sub.add_parser("eval", help="held-out acceptance of a run or an ONNX draft dir")
+    v.add_argument("what", type=Path, help="a run dir (ckpt.pt) or an ONNX draft dir")
+    v.add_argument("--heldout", type=Path, required=True)
+    v.add_argument("--target", type=Path, default=None)
+    v.add_argument("--eval-samples", type=int, default=0)
+    v.add_argument("--threads", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except ValueError as exc:  # bad settings: say so in one line
+        log.error("%s", exc)
+        return 2
+
+
+def _run(args) -> int:
+    from edge_client.tools.distill.common import jsonable
+
+    if args.cmd == "gen-data":
+        from edge_client.tools.distill.data import GenConfig, gen_data
+
+        gen_data(GenConfig(args.target, args.out, args.split, args.shard_size, args.batch_size,
+                           args.max_new_tokens, args.top_k, args.sample_fraction,
+                           args.temperature, args.seed, args.max_prompts, args.threads,
+                           *map(int, args.worker.split("/")), draft_run=args.draft_run))
+    elif args.cmd == "train":
+        from edge_client.tools.distill.model import ArchConfig
+        from edge_client.tools.distill.train import TrainConfig, train
+
+        arch = ArchConfig(args.init, args.hidden, args.layers, args.heads, args.kv_heads,
+                          args.intermediate, args.target_layers, args.sub_vocab)
+        train(TrainConfig(args.run_dir, args.data, args.heldout, args.target, arch, args.steps,
+                          args.batch_size, args.lr, warmup=args.warmup,
+                          tv_weight=args.tv_weight, max_len=args.max_len, seed=args.seed,
+                          ckpt_every_s=args.ckpt_every_s, ckpt_every_steps=args.ckpt_every_steps,
+                          eval_every=args.eval_every, eval_samples=args.eval_samples,
+                          threads=args.threads, log_every=args.log_every,
+                          lr_steps=args.lr_steps, init_from=args.init_from))
+    elif args.cmd == "export":
+        from edge_client.tools.distill.export import ExportConfig, export
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        res = export(ExportConfig(args.run_dir, args.out, args.heldout, args.target,
+                                  args.fp32_out, args.eval_samples, not args.no_quantize,
+                                  measure_target=not args.no_target_timing))
+        print(json.dumps(jsonable(res), indent=2))
+    elif args.cmd == "eval":
+        from edge_client.tools.distill.evaluate import eval_command
+
+        print(json.dumps(jsonable(eval_command(args.what, args.heldout, args.target,
+                                                args.eval_samples, args.threads)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

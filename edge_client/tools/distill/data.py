@@ -1,0 +1,253 @@
+"""``gen-data``: the target continues the distillation prompts (batched, left padded; some rows
+greedy, some sampled) and records, for every generated token, the top-k token ids and
+log-probabilities of the target's distribution p at temperature 1 that position was decided
+from. One shard per ``--shard-size`` prompts, written atomically; a rerun skips finished
+shards. With ``--draft-run`` the data is on-policy: a trained draft writes the continuations
+(the text it will be asked to extend on the edge) and the target labels every position in one
+teacher-forced forward, which costs the target far less than generating them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.tools.distill.common import default_target, jsonable, write_json
+from edge_client.tools.distill.model import full_vocab_twin, load_run
+from edge_client.tools.distill.prompts import prompt_split
+from edge_client.tools.distill.shards import Sample, write_shard
+from edge_client.tools.distill.vocab import VocabMap
+
+log = logging.getLogger("edgespec.distill")
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    target: Path | None
+    out: Path
+    split: str = "train"
+    shard_size: int = 64
+    batch_size: int = 16
+    max_new_tokens: int = 128
+    top_k: int = 64
+    sample_fraction: float = 0.5
+    temperature: float = 0.8
+    seed: int = 0
+    max_prompts: int = 0  # 0: all of the split
+    threads: int = 0
+    worker: int = 0  # this process writes the shards with shard % workers == worker
+    workers: int = 1
+    # On-policy data: this training run's draft writes the continuations and the target only
+    # labels them (one teacher-forced forward per batch). None: the target writes them.
+    draft_run: Path | None = None
+
+
+def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
+    """Fill ``cfg.out`` with shards; skips shards already written. Returns ``cfg.out``."""
+    import torch
+
+    from cloud_verifier.target_model import load_target
+    from edge_client.tokenizer import EdgeTokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if prompts is None:
+        prompts = prompt_split(cfg.split)  # type: ignore[arg-type]
+    order = np.random.default_rng(cfg.seed).permutation(len(prompts))
+    if cfg.max_prompts:
+        order = order[: cfg.max_prompts]
+    _check_resume(out / "config.json", cfg)
+    write_json(out / "config.json", {**jsonable(asdict(cfg)), "num_prompts": len(order)})
+
+    target = load_target(cfg.target, device="cpu")
+    target_dir = Path(cfg.target) if cfg.target is not None else default_target()
+    tok = EdgeTokenizer(target_dir)
+    eos = set(target.eos_token_ids)
+    pad_id = target.eos_token_ids[0]
+    writer = target.model if cfg.draft_run is None else _HeadOnly(*load_run(cfg.draft_run,
+                                                                             cfg.target))
+
+    n_shards = math.ceil(len(order) / cfg.shard_size)
+    total_tokens, t_start = 0, time.perf_counter()
+    for shard in range(n_shards):
+        path = out / f"shard-{shard:05d}.npz"
+        if path.exists() or shard % cfg.workers != cfg.worker:
+            continue
+        idx = order[shard * cfg.shard_size : (shard + 1) * cfg.shard_size]
+        encoded = []
+        for i in idx:
+            p = prompts[int(i)]
+            ids = tok.encode_chat(p.text) if p.chat else tok.encode(p.text)
+            # One draw per prompt decides greedy vs sampled, independent of batching.
+            sampled = bool(np.random.default_rng([cfg.seed, int(i)]).random() < cfg.sample_fraction)
+            encoded.append((int(i), ids, sampled))
+        encoded.sort(key=lambda e: len(e[1]))  # less padding per batch
+        gen = torch.Generator().manual_seed(cfg.seed * 100003 + shard)
+        samples, index, t0, n_tok = [], [], time.perf_counter(), 0
+        for b in range(0, len(encoded), cfg.batch_size):
+            batch = encoded[b : b + cfg.batch_size]
+            on_policy = writer is not target.model
+            rows = _generate_batch(writer, [e[1] for e in batch], [e[2] for e in batch], cfg,
+                                   eos, pad_id, gen, record_top_k=not on_policy)
+            if on_policy:
+                rows = _label(target.model, rows, cfg.top_k, pad_id)
+            samples += rows
+            index += [e[0] for e in batch]
+            n_tok += sum(len(r.gen_ids) for r in rows)
+            dt = time.perf_counter() - t0
+            log.info("shard %d/%d: %d/%d prompts, %d tokens, %.1f tok/s", shard + 1, n_shards,
+                     len(samples), len(encoded), n_tok, n_tok / max(dt, 1e-9))
+        write_shard(path, samples, index)
+        total_tokens += n_tok
+        elapsed = time.perf_counter() - t_start
+        log.info("wrote %s (%d tokens); this run %d tokens in %.0f s, %.1f tok/s", path.name,
+                 n_tok, total_tokens, elapsed, total_tokens / max(elapsed, 1e-9))
+        _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0)
+    log.info("gen-data done: %d shards in %s", n_shards, out)
+    return out
+
+
+# What a data directory's shards depend on; a resumed run must use the same values.
+_DATA_FIELDS = ("split", "shard_size", "batch_size", "max_new_tokens", "top_k",
+                "sample_fraction", "temperature", "seed", "max_prompts", "draft_run")
+
+
+def _check_resume(config_path: Path, cfg: GenConfig) -> None:
+    """Refuses to add shards made with other settings to an existing data directory."""
+    if not config_path.exists():
+        return
+    stored = json.loads(config_path.read_text())
+    wanted = jsonable(asdict(cfg))
+    defaults = jsonable(asdict(GenConfig(None, Path())))  # fields older directories lack
+    diff = {k: (stored.get(k, defaults[k]), wanted[k]) for k in _DATA_FIELDS
+            if stored.get(k, defaults[k]) != wanted[k]}
+    if diff:
+        detail = ", ".join(f"--{k.replace('_', '-')} {old} (not {new})"
+                           for k, (old, new) in diff.items())
+        raise ValueError(f"{config_path.parent} was generated with other settings; resume "
+                         f"with {detail}, or use a new --out")
+
+
+def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: GenConfig,
+                    eos: set[int], pad_id: int, gen, record_top_k: bool = True) -> list[Sample]:
+    """Left-padded batched decoding with a KV cache; finished rows leave the batch. Each
+    token's top-k log-probabilities are recorded unless ``record_top_k`` is False (their
+    arrays are then empty, for ``_label`` to fill)."""
+    import torch
+    from transformers import DynamicCache
+
+    n, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        input_ids[r, width - len(p) :] = torch.tensor(p)
+        mask[r, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    temps = torch.tensor([cfg.temperature if s else 0.0 for s in sampled])
+
+    out_tokens: list[list[int]] = [[] for _ in range(n)]
+    out_ids: list[list[np.ndarray]] = [[] for _ in range(n)]
+    out_logp: list[list[np.ndarray]] = [[] for _ in range(n)]
+    alive = torch.arange(n)  # original row of each batch row
+    cache = DynamicCache()
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                       past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+        next_pos = positions[:, -1] + 1
+        for _ in range(cfg.max_new_tokens):
+            if record_top_k:  # [b, k]: p at temperature 1
+                top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(cfg.top_k, dim=-1)
+            else:
+                top_logp = top_ids = torch.empty((len(alive), 0))
+            greedy = logits.argmax(-1)
+            t = temps[alive]
+            token = greedy.clone()
+            if bool((t > 0).any()):
+                rows = (t > 0).nonzero().flatten()
+                probs = torch.softmax(logits[rows] / t[rows, None], dim=-1)
+                token[rows] = torch.multinomial(probs, 1, generator=gen).flatten()
+            done = torch.zeros(len(alive), dtype=torch.bool)
+            for j, r in enumerate(alive.tolist()):
+                tid = int(token[j])
+                out_tokens[r].append(tid)
+                out_ids[r].append(top_ids[j].numpy())
+                out_logp[r].append(top_logp[j].numpy().astype(np.float16))
+                done[j] = tid in eos
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            if keep.numel() < len(alive):
+                cache.batch_select_indices(keep)
+                mask, token, next_pos, alive = mask[keep], token[keep], next_pos[keep], alive[keep]
+            mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype)], dim=1)
+            logits = model(input_ids=token[:, None], attention_mask=mask,
+                           position_ids=next_pos[:, None], past_key_values=cache,
+                           use_cache=True).logits[:, -1, :].float()
+            next_pos = next_pos + 1
+    return [
+        Sample(np.asarray(prompts[r]), np.asarray(out_tokens[r]), np.stack(out_ids[r]),
+               np.stack(out_logp[r]), sampled[r])
+        for r in range(n)
+    ]
+
+
+def _label(model, rows: list[Sample], top_k: int, pad_id: int) -> list[Sample]:
+    """Replaces each row's top-k with the target's: one teacher-forced forward over the
+    left-padded prompt + continuation, keeping only the positions that predict a continuation
+    token."""
+    import torch
+
+    seqs = [np.concatenate([r.prompt_ids, r.gen_ids]) for r in rows]
+    width, longest = max(len(s) for s in seqs), max(len(r.gen_ids) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, width - len(s):] = torch.from_numpy(s.astype(np.int64))
+        mask[i, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        # Kept column c is position width - longest - 1 + c; it predicts the token after it.
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                       logits_to_keep=longest + 1).logits.float()
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    out = []
+    for i, r in enumerate(rows):
+        cols = slice(longest - len(r.gen_ids), longest)
+        out.append(replace(r, topk_ids=top_ids[i, cols].numpy(),
+                           topk_logp=top_logp[i, cols].numpy().astype(np.float16)))
+    return out
+
+
+class _HeadOnly:
+    """A run's draft as a full-vocabulary causal LM whose logits are -inf outside its head, so
+    that decoding from it is decoding from the draft the edge runs (ids outside the head are
+    never proposed there)."""
+
+    def __init__(self, model, vmap: VocabMap) -> None:
+        import torch
+
+        self.twin = full_vocab_twin(model, vmap)
+        self.bias = torch.full((vmap.full_vocab_size,), -math.inf)
+        self.bias[torch.from_numpy(vmap.sub_to_full[vmap.sub_to_full >= 0])] = 0.0
+
+    def __call__(self, **kwargs):
+        out = self.twin(**kwargs)
+        out.logits = out.logits + self.bias
+        return out
+
+
+def _update_manifest(out: Path, name: str, prompts: int, tokens: int, seconds: float) -> None:
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.exists() else {"shards": {}}
+    manifest["shards"][name] = {"prompts": prompts, "tokens": tokens, "seconds": round(seconds, 1)}
+    manifest["total_prompts"] = sum(s["prompts"] for s in manifest["shards"].values())
+    manifest["total_tokens"] = sum(s["tokens"] for s in manifest["shards"].values())
+    write_json(path, manifest)

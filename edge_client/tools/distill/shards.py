@@ -1,0 +1,79 @@
+"""What ``gen-data`` writes and ``train``, ``eval`` and ``export`` read: one
+``shard-NNNNN.npz`` per group of prompts, with the target's top-k at every generated token."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class Sample:
+    """One prompt and the target's continuation, with p's top-k at every generated token."""
+
+    prompt_ids: np.ndarray  # [P] int
+    gen_ids: np.ndarray  # [G] int, the generated tokens (EOS included when reached)
+    topk_ids: np.ndarray  # [G, k] int: row j is p's top-k for gen token j
+    topk_logp: np.ndarray  # [G, k] float16 log p, descending
+    sampled: bool
+
+
+def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[int]) -> None:
+    def flat(arrs):
+        offsets = np.cumsum([0] + [len(a) for a in arrs]).astype(np.int64)
+        return np.concatenate(arrs) if arrs else np.zeros(0), offsets
+
+    prompt_flat, prompt_off = flat([s.prompt_ids.astype(np.int32) for s in samples])
+    gen_flat, gen_off = flat([s.gen_ids.astype(np.int32) for s in samples])
+    biggest = max(int(s.topk_ids.max(initial=0)) for s in samples)
+    id_dtype = np.uint16 if biggest < 65536 else np.int32
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    np.savez(
+        tmp,
+        prompt_ids=prompt_flat.astype(np.int32),
+        prompt_offsets=prompt_off,
+        gen_ids=gen_flat.astype(np.int32),
+        gen_offsets=gen_off,
+        topk_ids=np.concatenate([s.topk_ids for s in samples]).astype(id_dtype),
+        topk_logp=np.concatenate([s.topk_logp for s in samples]).astype(np.float16),
+        sampled=np.array([s.sampled for s in samples], dtype=bool),
+        prompt_index=np.asarray(prompt_index, dtype=np.int32),
+    )
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> list[Sample]:
+    with np.load(path) as z:
+        po, go = z["prompt_offsets"], z["gen_offsets"]
+        out = []
+        for i in range(len(po) - 1):
+            g0, g1 = go[i], go[i + 1]
+            out.append(
+                Sample(
+                    z["prompt_ids"][po[i] : po[i + 1]],
+                    z["gen_ids"][g0:g1],
+                    z["topk_ids"][g0:g1].astype(np.int64),
+                    z["topk_logp"][g0:g1],
+                    bool(z["sampled"][i]),
+                )
+            )
+    return out
+
+
+def list_shards(data_dir: Path) -> list[Path]:
+    return sorted(Path(data_dir).glob("shard-*.npz"))
+
+
+def load_samples(shards: Sequence[Path]) -> list[Sample]:
+    return [s for p in shards for s in read_shard(p)]
+
+
+def heldout_samples(path: Path | None, limit: int) -> list[Sample]:
+    if path is None or not list_shards(path):
+        return []
+    samples = load_samples(list_shards(path))
+    return samples[:limit] if limit else samples

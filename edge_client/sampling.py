@@ -1,10 +1,10 @@
 """The draft's sampling distribution q on the device (numpy only: the device has no torch).
 
 ``truncated_distribution`` shapes one row of draft logits exactly as
-``cloud_verifier.sampling.target_probs`` shapes the target's (temperature, then top-k, then top-p, the
-same lowest-id-wins tie rule), then keeps at most ``max_support`` of the most probable tokens.
-The result is sparse: ids and probabilities, most probable first, which is what goes on the
-wire as the q of that draft position.
+``cloud_verifier.sampling.target_probs`` shapes the target's (temperature, then top-k, then
+top-p, the same lowest-id-wins tie rule), then keeps at most ``max_support`` of the most
+probable tokens. The result is sparse: ids and probabilities, most probable first, which is
+what goes on the wire as the q of that draft position.
 
 Truncating q costs no correctness. Speculative sampling is lossless for any q, provided the
 verifier judges each draft token by the q it was actually sampled from (acceptance

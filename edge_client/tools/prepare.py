@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from shared import paths
@@ -47,6 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> PrepareConfig:
         prog="edgespec-prepare",
         description="Download and convert the target model and build the default ONNX draft.",
     )
+    parser.add_argument("--version", action="version", version=f"edgespec {version('edgespec')}")
     parser.add_argument(
         "--cache",
         type=Path,

@@ -1,21 +1,27 @@
-"""``edgespec-bench``: the offline benchmarks of the edge side (they import torch).
+"""``edgespec-bench``: the benchmarks and the load test of edgespec.
 
-    edgespec-bench edge --json PATH        # target alone vs assisted generation vs edgespec
+    edgespec-bench e2e --json PATH         # target alone vs assisted generation vs edgespec
     edgespec-bench acceptance --json PATH  # what the target accepts of each drafter's output
+    edgespec-bench fleet --spawn --json PATH   # N simulated devices load-testing a verifier
+    edgespec-bench sweep --spawn --json PATH   # capacity sweep: spec vs cloud-only
 
-The benchmark modules are imported only when their subcommand runs, so ``--help`` and
-``--version`` load no torch.
+One name per concept on every subcommand: ``--json PATH``, ``--model`` (a target
+checkpoint), ``--draft-dir``, ``--protocol``. The benchmark modules are imported only when
+their subcommand runs, so ``--help`` and ``--version`` load no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
+MODEL_HELP = "the target checkpoint (default: prepared SmolLM2)"
 
-def cmd_edge(args: argparse.Namespace) -> int:
+
+def cmd_e2e(args: argparse.Namespace) -> int:
     from edge_client.bench.edge import run_bench
 
     return run_bench(args)
@@ -27,23 +33,39 @@ def cmd_acceptance(args: argparse.Namespace) -> int:
     return run_bench_acceptance(args)
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from edge_client.bench.fleet.cli import cmd_fleet as run
+
+    return run(args)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from edge_client.bench.fleet.cli import cmd_sweep as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edge_client.bench.fleet.cli import add_fleet_args, add_sweep_args
+
     parser = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"edgespec {version('edgespec')}")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    edge = sub.add_parser("edge", help="target alone vs assisted generation vs edgespec")
-    edge.add_argument("--json", type=Path, required=True, metavar="PATH")
-    edge.add_argument("--prompts", type=int, default=8, help="number of built-in prompts")
-    edge.add_argument("--max-new-tokens", type=int, default=48)
-    edge.add_argument("--draft-len", type=int, default=4)
-    edge.add_argument("--rtt-ms", type=float, default=50.0, help="RTT of the WAN case (d)")
-    edge.add_argument("--draft-dir", type=Path, default=None)
-    edge.add_argument("--draft-pt-dir", type=Path, default=None,
-                      help="the same draft in PyTorch, for assisted generation")
-    edge.add_argument("--target", default=None)
-    edge.set_defaults(func=cmd_edge)
+    e2e = sub.add_parser("e2e", help="target alone vs assisted generation vs edgespec, "
+                                     "end to end on the same prompts")
+    e2e.add_argument("--json", type=Path, required=True, metavar="PATH")
+    e2e.add_argument("--prompts", type=int, default=8, help="number of built-in prompts")
+    e2e.add_argument("--max-new-tokens", type=int, default=48)
+    e2e.add_argument("--draft-len", type=int, default=4)
+    e2e.add_argument("--rtt-ms", type=float, default=50.0, help="RTT of the WAN case (d)")
+    e2e.add_argument("--draft-dir", type=Path, default=None)
+    e2e.add_argument("--draft-pt-dir", type=Path, default=None,
+                     help="the same draft in PyTorch, for assisted generation")
+    # The benchmark modules read the checkpoint as args.target.
+    e2e.add_argument("--model", dest="target", default=None, help=MODEL_HELP)
+    e2e.set_defaults(func=cmd_e2e)
 
     acc = sub.add_parser("acceptance",
                          help="acceptance of the model, n-gram and combined drafters on "
@@ -54,18 +76,34 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--max-new-tokens", type=int, default=32)
     acc.add_argument("--draft-len", type=int, default=4, help="K of the measured rounds")
     acc.add_argument("--draft-dir", type=Path, default=None)
-    acc.add_argument("--target", default=None)
+    acc.add_argument("--model", dest="target", default=None, help=MODEL_HELP)
     acc.add_argument("--threads", type=int, default=None,
                      help="torch and onnxruntime intra-op threads (default: their own)")
     acc.set_defaults(func=cmd_acceptance)
+
+    fleet = sub.add_parser("fleet", help="N simulated edge devices (network profiles, "
+                                         "workloads) load-testing a verifier over gRPC")
+    add_fleet_args(fleet)
+    fleet.set_defaults(func=cmd_fleet)
+
+    sweep = sub.add_parser("sweep", help="capacity sweep over client counts: speculative vs "
+                                         "cloud-only, per network profile")
+    add_sweep_args(sweep)
+    sweep.set_defaults(func=cmd_sweep)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from edge_client.errors import EdgeError
+
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except EdgeError as err:  # a clear line, not a traceback
+        print(f"edgespec-bench: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

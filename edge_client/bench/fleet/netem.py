@@ -1,7 +1,7 @@
 """Network emulation for the simulated edge fleet: per-device profiles and the delay of each
 message on them.
 
-A device's connection to the verifier is two one-way ``Link``s (uplink, downlink). A message
+A device's connection to the verifier is two ``OneWayLink``s (uplink, downlink). A message
 of ``nbytes`` sent at time t is delivered at
 
     max(t + one_way, previous delivery on that link + serialization)
@@ -48,14 +48,21 @@ are chosen from (as published by their sources):
   conversational voice (QCI 1). Verizon's LTE launch material put LTE user-plane latency at
   about half of 3G's.
 - ``none``: no emulation (loopback as it is), for measuring the server alone.
+
+``NetEmLink`` is how the emulation reaches the client core (edge_client.core): the core asks
+its ``edge_client.link.Link`` when a message has crossed the uplink and when the device has a
+reply, and waits for that time itself.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from edge_client.link import Link, until
 
 # gRPC message prefix (5) + HTTP/2 DATA frame header (9) + TCP/IPv4 headers with timestamps
 # (52), and a share of HEADERS frames; charged once per message.
@@ -118,7 +125,7 @@ def profile(name: str) -> NetworkProfile:
                          f"{', '.join(PROFILES)}") from None
 
 
-class Link:
+class OneWayLink:
     """One direction of one device's connection: FIFO delivery times of its messages."""
 
     def __init__(self, prof: NetworkProfile, mbps: float, rng: np.random.Generator) -> None:
@@ -167,8 +174,8 @@ class NetEm:
 
     def __init__(self, prof: NetworkProfile, rng: np.random.Generator) -> None:
         self.profile = prof
-        self.up = Link(prof, prof.up_mbps, rng)
-        self.down = Link(prof, prof.down_mbps, rng)
+        self.up = OneWayLink(prof, prof.up_mbps, rng)
+        self.down = OneWayLink(prof, prof.down_mbps, rng)
 
     @property
     def enabled(self) -> bool:
@@ -178,3 +185,18 @@ class NetEm:
     @property
     def retransmits(self) -> int:
         return self.up.retransmits + self.down.retransmits
+
+
+class NetEmLink(Link):
+    """The client core's link over one device's emulated connection."""
+
+    def __init__(self, netem: NetEm) -> None:
+        self.netem = netem
+
+    async def send(self, nbytes: int) -> None:
+        if self.netem.enabled:
+            await until(self.netem.up.deliver_at(time.perf_counter(), nbytes))
+
+    def arrival(self, nbytes: int) -> float:
+        now = time.perf_counter()
+        return self.netem.down.deliver_at(now, nbytes) if self.netem.enabled else now

@@ -128,7 +128,7 @@ class _KVWatcher(threading.Thread):
 
 
 @contextlib.contextmanager
-def spawned_verifier(target: str | None, max_sessions: int, kv_budget_mb: float | None = None,
+def spawned_verifier(model: str | None, max_sessions: int, kv_budget_mb: float | None = None,
                      threads: int | None = None,
                      extra_args: list[str] | None = None) -> Iterator[FleetVerifier]:
     """``edgespec-verifier`` in a child process; watched while it runs, stopped on exit.
@@ -137,8 +137,8 @@ def spawned_verifier(target: str | None, max_sessions: int, kv_budget_mb: float 
     cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1", "--port",
            str(port), "--max-sessions", str(max_sessions), "--metrics-port",
            str(metrics_port), "--log-level", "WARNING"]
-    if target:
-        cmd += ["--model", str(target)]
+    if model:
+        cmd += ["--model", str(model)]
     if kv_budget_mb is not None:
         cmd += ["--kv-budget-mb", str(kv_budget_mb)]
     if threads:
@@ -185,7 +185,7 @@ def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
     kv_budget_mb = getattr(args, "kv_budget_mb", None)
     extra = list(getattr(args, "verifier_arg", None) or [])
     if getattr(args, "spawn", False):
-        with spawned_verifier(args.target, max_sessions, kv_budget_mb,
+        with spawned_verifier(args.model, max_sessions, kv_budget_mb,
                               getattr(args, "verifier_threads", None), extra) as verifier:
             yield verifier
         return
@@ -198,5 +198,5 @@ def fleet_verifier(args, clients: int) -> Iterator[FleetVerifier]:
     budget = [] if kv_budget_mb is None else ["--kv-budget-mb", str(kv_budget_mb)]
     _, config = parse_args(["--port", "0", "--max-sessions", str(max_sessions), *budget,
                             *extra])
-    with EmbeddedVerifier(load_served_target(args.target), config) as verifier:
+    with EmbeddedVerifier(load_served_target(args.model), config) as verifier:
         yield FleetVerifier(verifier.address, VerifierReport(spawned=False, extra_args=extra))

@@ -43,7 +43,7 @@ class Ticket:
     draft: DraftRound
     future: asyncio.Future
     # The caller will submit this session's next round as soon as this one is answered
-    # (Generate and Continue streams): the batcher waits briefly for it before the next forward.
+    # (Generate, Decode, lookahead): the batcher waits briefly for it before the next forward.
     follow_up: bool = False
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     abandoned: bool = False
@@ -121,7 +121,7 @@ class RoundBatcher:
         self._wakeup.clear()
         try:
             await asyncio.wait_for(self._wakeup.wait(), seconds)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError on Python 3.10
             pass
 
     async def _regather(self, ran: list[Ticket]) -> None:
@@ -142,7 +142,7 @@ class RoundBatcher:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), left)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # noqa: UP041 - not TimeoutError on Python 3.10
                 return
 
     def _take(self) -> list[Ticket]:

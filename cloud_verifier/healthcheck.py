@@ -11,7 +11,10 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-SERVICE = "edgespec.v1.Verifier"
+from shared.pb import verifier_pb2 as pb
+
+# The edgespec service, as the verifier registers its health.
+SERVICE = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,22 @@
 """The verifier process: gRPC server with health and reflection, graceful shutdown, CLI.
 
-Shutdown is graceful: health turns NOT_SERVING, new sessions get UNAVAILABLE, and in-flight
-calls get ``grace_s`` seconds through ``server.stop(grace)``.
+Shutdown is graceful: health turns NOT_SERVING, new sessions get UNAVAILABLE (DRAINING), and
+in-flight calls get ``grace_s`` seconds through ``server.stop(grace)``.
+
+Modules that import torch are imported where they are used, so that ``edgespec-verifier
+--help`` and ``--version`` answer at once on a machine where importing torch takes seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,17 +25,14 @@ from grpc_reflection.v1alpha import reflection
 from cloud_verifier import torch_thread
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
-from cloud_verifier.engine import VerifierEngine
+from cloud_verifier.interceptors import SERVICE_NAME, interceptors
 from cloud_verifier.metrics import VerifierMetrics
-from cloud_verifier.packed_forward import packed_weights, supports_packing
-from cloud_verifier.service import ModelInfo, VerifierService
-from cloud_verifier.target_model import LoadedTarget, load_target
-from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from cloud_verifier.target_model import LoadedTarget
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+log = logging.getLogger(__name__)
 # Drafts carry sparse q, so requests stay small; this bounds what one call may cost to parse.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -38,6 +40,8 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 def load_served_target(path: str | Path | None = None, device: str | None = None,
                        dtype: str | None = None) -> LoadedTarget:
     """``load_target`` on the thread the verifier's forwards run on (``torch_thread``)."""
+    from cloud_verifier.target_model import load_target
+
     return torch_thread.run(load_target, path, device=device, dtype=dtype)
 
 
@@ -45,6 +49,10 @@ class VerifierServer:
     """A running verifier bound to one loaded target."""
 
     def __init__(self, target: LoadedTarget, config: VerifierConfig) -> None:
+        from cloud_verifier.engine import VerifierEngine
+        from cloud_verifier.packed_forward import packed_weights, supports_packing
+        from cloud_verifier.service import ModelInfo, VerifierService
+
         max_context = min(config.max_context or target.max_context, target.max_context)
         self.config = config
         self.metrics = VerifierMetrics()
@@ -62,11 +70,11 @@ class VerifierServer:
         self.port: int | None = None
 
     async def start(self) -> int:
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ])
-        pb_grpc.add_VerifierServicer_to_server(self.service, server)
+        server = grpc.aio.server(
+            interceptors=interceptors(self.config.api_key_digests, self.metrics),
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        pb_grpc.add_VerifierServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -149,6 +157,7 @@ class EmbeddedVerifier:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, VerifierConfig]:
     p = argparse.ArgumentParser(prog="edgespec-verifier",
                                 description="Cloud verifier for edge speculative decoding.")
+    p.add_argument("--version", action="version", version=f"edgespec {_version()}")
     p.add_argument("--model", default=None,
                    help="local Hugging Face causal-LM checkpoint (default: SmolLM2-135M-Instruct "
                         "prepared by edgespec-prepare)")
@@ -218,6 +227,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         session_ttl_s=args.session_ttl, grace_s=args.grace,
         api_key_digests=digests, metrics_port=args.metrics_port)
     return args, config
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("edgespec")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 async def _serve(server: VerifierServer) -> None:

@@ -1,8 +1,8 @@
-"""Session table: ids, ownership, expiry, and the per-session state a round needs.
+"""Session table: ids, expiry, and the per-session state a round needs.
 
-A session id is 128 random bits from ``secrets`` and is bound to the identity of the
-caller that opened it; lookups by anyone else read as "not found", so an id reveals nothing
-to a caller that does not own it.
+A session lives on the stream that opened it, which holds it directly: nothing looks a
+session up by id, so an id (128 random bits from ``secrets``) only names it in logs and
+metrics. Its owner (the caller's API key digest) scopes the prefix cache.
 """
 
 from __future__ import annotations
@@ -10,28 +10,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from cloud_verifier.draft_policy import AcceptanceTracker
-from cloud_verifier.errors import SessionNotFound, TooManySessions
+from cloud_verifier.errors import TooManySessions
 from cloud_verifier.kv_store import SessionKV
-from shared.sampling import SamplingParams
+from cloud_verifier.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 16  # 128 bits
-_SESSION_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-
-
-def is_well_formed_session_id(session_id: str) -> bool:
-    return bool(_SESSION_ID_RE.match(session_id))
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -49,22 +42,6 @@ def short_id(session_id: str) -> str:
     return session_id[:8]
 
 
-@dataclass(frozen=True)
-class RoundResult:
-    """Outcome of one verification round (the wire's RoundResult, minus protobuf)."""
-
-    round: int
-    num_accepted: int
-    next_token: int
-    committed_length: int
-    finished: bool
-    target_forwards: int
-    queue_ns: int
-    forward_ns: int
-    suggested_draft_len: int = 0
-    draft_token_cost: float | None = None
-
-
 @dataclass
 class Session:
     id: str
@@ -79,17 +56,18 @@ class Session:
     # Target KV over committed[:kv.length] (None before the first forward).
     kv: SessionKV | None = None
     next_round: int = 0
-    last_result: RoundResult | None = None
-    last_draft_digest: bytes = b""
     finished: bool = False
+    # Closed to free memory (evicted) or after sitting idle past the TTL (expired): the
+    # stream's next message gets the matching reason.
     evicted: bool = False
+    expired: bool = False
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Admission order: under KV pressure older sessions keep their memory (batcher).
     seq: int = 0
-    # Decoded by a stream the server drives (Generate, Lookahead): never idle while it lasts,
-    # so it is never evicted, only preempted (its KV dropped and recomputed later).
+    # Decoded by a stream the server drives (Generate, lookahead mode): never idle while it
+    # lasts, so it is never evicted, only preempted (its KV dropped and recomputed later).
     streamed: bool = False
 
     @property
@@ -102,12 +80,7 @@ class Session:
 
 
 class SessionStore:
-    """Owns every live session; bounded in count and idle time.
-
-    Closed sessions stay readable (without their KV cache) for one TTL in a bounded list, so
-    that a client whose reply to the final round was lost can retry that round and get the
-    same answer.
-    """
+    """Owns every live session; bounded in count and idle time."""
 
     def __init__(self, max_sessions: int, ttl_s: float,
                  on_close: Callable[[Session], None] = lambda session: None,
@@ -118,14 +91,12 @@ class SessionStore:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._seq = itertools.count()
-        self._closed: OrderedDict[str, Session] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def create(self, owner: str, sampling: SamplingParams, prompt: list[int],
                max_new_tokens: int, stop_token_ids: frozenset[int]) -> Session:
-        self.expire_idle()
         if len(self._sessions) >= self._max:
             raise TooManySessions(
                 f"the verifier holds its maximum of {self._max} sessions; retry later")
@@ -137,35 +108,18 @@ class SessionStore:
             stop_token_ids=stop_token_ids, generator=generator, last_used=self._clock(),
             seq=next(self._seq))
         self._sessions[session_id] = session
-        log.info("session %s opened: prompt %d tokens, %s", short_id(session_id), len(prompt),
-                 "greedy" if sampling.is_greedy else "sampling")
-        return session
-
-    def get(self, session_id: str, owner: str) -> Session:
-        """A live session, or a recently closed one (``finished`` is then set)."""
-        session = self._sessions.get(session_id) or self._closed.get(session_id)
-        if session is None or session.owner != owner:
-            raise SessionNotFound(
-                f"session {short_id(session_id)}... is unknown, expired or closed; "
-                "open a new session")
-        if not session.finished and self._clock() - session.last_used > self._ttl:
-            session.evicted = True
-            self.close(session_id)
-        session.last_used = self._clock()
         return session
 
     def touch(self, session: Session) -> None:
-        """A round ran: the session is in use, not idle (streams never look it up)."""
+        """A round ran: the session is in use, not idle."""
         session.last_used = self._clock()
 
     def close(self, session_id: str) -> Session | None:
+        """Removes a live session and frees its KV memory; None if it was not live."""
         session = self._sessions.pop(session_id, None)
         if session is not None:
-            self._on_close(session)  # frees its KV memory now
+            self._on_close(session)
             session.finished = True
-            self._closed[session_id] = session
-            while len(self._closed) > 4 * self._max:
-                self._closed.popitem(last=False)
             log.info("session %s closed after %d tokens", short_id(session_id),
                      session.num_generated)
         return session
@@ -181,12 +135,11 @@ class SessionStore:
         return [s for s in self._sessions.values() if s.kv is not None]
 
     def expire_idle(self) -> int:
+        """Closes sessions idle past the TTL (marked ``expired``); returns how many."""
         now = self._clock()
         stale = [sid for sid, s in self._sessions.items()
                  if now - s.last_used > self._ttl and not s.lock.locked()]
         for sid in stale:
-            self._sessions[sid].evicted = True
+            self._sessions[sid].expired = True
             self.close(sid)
-        while self._closed and now - next(iter(self._closed.values())).last_used > self._ttl:
-            self._closed.popitem(last=False)
         return len(stale)

@@ -1,27 +1,29 @@
 """Protobuf <-> domain conversion, with validation of every request field.
 
 This is the trust boundary: everything that leaves this module is range-checked, and every
-problem raises InvalidRequest (or ContextTooLong) with a message a person can act on.
+problem raises InvalidRequest (naming the field, for ErrorInfo) or ContextTooLong with a
+message a person can act on.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from cloud_verifier.engine import DraftRound
+from cloud_verifier.engine import NO_DRAFT, DraftRound
 from cloud_verifier.errors import ContextTooLong, InvalidRequest
 from cloud_verifier.lookahead import Lookahead
-from cloud_verifier.sessions import RoundResult, is_well_formed_session_id
+from cloud_verifier.rounds import RoundResult
+from cloud_verifier.sampling import SamplingParams
 from shared.pb import verifier_pb2 as pb
-from shared.sampling import SamplingParams
 
 # Probabilities may sum a little above 1 from float32 round-off on the device.
 PROB_SUM_TOLERANCE = 1e-3
 MAX_SEED = 2**63 - 1
+ROUNDS = pb.DRAFTING_ROUNDS
+LOOKAHEAD = pb.DRAFTING_LOOKAHEAD
 
 
 @dataclass(frozen=True)
@@ -37,140 +39,137 @@ class OpenParams:
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: frozenset[int]
+    drafting: int  # ROUNDS or LOOKAHEAD (a Generate's params say ROUNDS and have no draft)
+    # Rounds: round 0 (NO_DRAFT when unset: one plain step). Lookahead: the first lookahead,
+    # None when unset.
     first_draft: DraftRound | None
-    first_draft_digest: bytes
 
 
-def _check_token_ids(ids, vocab_size: int, what: str) -> list[int]:
+def _check_token_ids(ids, vocab_size: int, where: str) -> list[int]:
     values = list(ids)
     for i, t in enumerate(values):
         if t >= vocab_size:
-            raise InvalidRequest(f"{what}[{i}] = {t} is out of range [0, {vocab_size})")
+            raise InvalidRequest(f"{where}[{i}] = {t} is out of range [0, {vocab_size})",
+                                 field=where)
     return values
 
 
-def parse_sampling(msg: pb.SamplingParams) -> SamplingParams:
+def parse_sampling(msg: pb.SamplingParams, where: str = "sampling") -> SamplingParams:
     if not math.isfinite(msg.temperature) or msg.temperature < 0:
-        raise InvalidRequest(f"sampling.temperature must be finite and >= 0, "
-                             f"got {msg.temperature}")
+        raise InvalidRequest(f"{where}.temperature must be finite and >= 0, "
+                             f"got {msg.temperature}", field=f"{where}.temperature")
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1] (0 = unset), got {msg.top_p}")
+        raise InvalidRequest(f"{where}.top_p must be in (0, 1] (0 = unset), got {msg.top_p}",
+                             field=f"{where}.top_p")
     if msg.seed > MAX_SEED:
-        raise InvalidRequest(f"sampling.seed must be below 2**63, got {msg.seed}")
+        raise InvalidRequest(f"{where}.seed must be below 2**63, got {msg.seed}",
+                             field=f"{where}.seed")
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
                           top_p=float(msg.top_p) if msg.top_p > 0 else 1.0, seed=int(msg.seed))
 
 
-def draft_digest(msg: pb.Draft) -> bytes:
-    """Identifies a round's content, so that a retry with other drafts is caught."""
-    return hashlib.sha256(msg.SerializeToString(deterministic=True)).digest()
-
-
-def parse_draft(msg: pb.Draft, limits: Limits) -> DraftRound:
+def parse_draft(msg: pb.Draft, limits: Limits, where: str = "draft") -> DraftRound:
     k = len(msg.token_ids)
     if k > limits.max_draft_len:
-        raise InvalidRequest(f"draft has {k} tokens; this verifier accepts at most "
-                             f"{limits.max_draft_len} per round")
-    tokens = _check_token_ids(msg.token_ids, limits.vocab_size, "draft.token_ids")
-    confidence = _parse_confidence(msg.confidence, k)
+        raise InvalidRequest(f"{where} has {k} tokens; this verifier accepts at most "
+                             f"{limits.max_draft_len} per round", field=f"{where}.token_ids")
+    tokens = _check_token_ids(msg.token_ids, limits.vocab_size, f"{where}.token_ids")
+    confidence = _parse_confidence(msg.confidence, k, f"{where}.confidence")
     if not msg.q:
         return DraftRound(tokens=tokens, q=None, confidence=confidence)
     if len(msg.q) != k:
-        raise InvalidRequest(f"draft.q has {len(msg.q)} entries; it must be empty "
-                             f"(point-mass drafts) or one per draft token ({k})")
+        raise InvalidRequest(f"{where}.q has {len(msg.q)} entries; it must be empty "
+                             f"(point-mass drafts) or one per draft token ({k})",
+                             field=f"{where}.q")
     q = []
     for i, (token, dist) in enumerate(zip(tokens, msg.q, strict=True)):
-        q.append(_parse_distribution(dist, token, i, limits.vocab_size))
+        q.append(_parse_distribution(dist, token, f"{where}.q[{i}]", limits.vocab_size))
     return DraftRound(tokens=tokens, q=q, confidence=confidence)
 
 
-def _parse_confidence(values, k: int) -> list[float] | None:
+def _parse_confidence(values, k: int, where: str) -> list[float] | None:
     if not values:
         return None
     if len(values) != k:
-        raise InvalidRequest(f"draft.confidence has {len(values)} entries; it must be empty "
-                             f"or one per draft token ({k})")
+        raise InvalidRequest(f"{where} has {len(values)} entries; it must be empty "
+                             f"or one per draft token ({k})", field=where)
     out = [float(c) for c in values]
     for i, c in enumerate(out):
         if not 0 <= c <= 1:  # also false for NaN
-            raise InvalidRequest(f"draft.confidence[{i}] = {c} is not a probability in [0, 1]")
+            raise InvalidRequest(f"{where}[{i}] = {c} is not a probability in [0, 1]",
+                                 field=where)
     return out
 
 
-def _parse_distribution(dist: pb.SparseDistribution, drafted: int, i: int,
+def _parse_distribution(dist: pb.SparseDistribution, drafted: int, where: str,
                         vocab_size: int) -> tuple[list[int], list[float]]:
-    where = f"draft.q[{i}]"
+    def bad(message: str) -> InvalidRequest:
+        return InvalidRequest(f"{where} {message}", field=where)
+
     if len(dist.token_ids) != len(dist.probs):
-        raise InvalidRequest(f"{where} has {len(dist.token_ids)} token_ids but "
-                             f"{len(dist.probs)} probs")
+        raise bad(f"has {len(dist.token_ids)} token_ids but {len(dist.probs)} probs")
     if not dist.token_ids:
-        raise InvalidRequest(f"{where} is empty; it must contain the drafted token {drafted}")
+        raise bad(f"is empty; it must contain the drafted token {drafted}")
     ids = np.fromiter(dist.token_ids, dtype=np.int64, count=len(dist.token_ids))
     probs = np.fromiter(dist.probs, dtype=np.float64, count=len(dist.probs))
     if ids.max() >= vocab_size:
-        bad = int(ids[ids >= vocab_size][0])
-        raise InvalidRequest(f"{where} token id {bad} is out of range [0, {vocab_size})")
+        raise bad(f"token id {int(ids[ids >= vocab_size][0])} is out of range "
+                  f"[0, {vocab_size})")
     if np.unique(ids).size != ids.size:
-        raise InvalidRequest(f"{where} lists a token id more than once")
+        raise bad("lists a token id more than once")
     if not np.all(np.isfinite(probs)):
-        raise InvalidRequest(f"{where} has a NaN or infinite probability")
+        raise bad("has a NaN or infinite probability")
     if np.any(probs < 0) or np.any(probs > 1):
-        raise InvalidRequest(f"{where} has a probability outside [0, 1]")
+        raise bad("has a probability outside [0, 1]")
     total = float(probs.sum())
     if total > 1 + PROB_SUM_TOLERANCE:
-        raise InvalidRequest(f"{where} probabilities sum to {total:.6f} > 1")
+        raise bad(f"probabilities sum to {total:.6f} > 1")
     hit = np.nonzero(ids == drafted)[0]
     if hit.size == 0 or probs[hit[0]] <= 0:
-        raise InvalidRequest(f"{where} gives the drafted token {drafted} no probability; "
-                             "a draft token must be sampled from its q")
+        raise bad(f"gives the drafted token {drafted} no probability; a draft token must be "
+                  "sampled from its q")
     return ids.tolist(), probs.tolist()
 
 
-def parse_open(msg: pb.OpenSessionRequest, limits: Limits,
-               default_stop_ids: frozenset[int]) -> OpenParams:
-    if not msg.prompt_token_ids:
-        raise InvalidRequest("prompt_token_ids is empty; send at least one token")
-    prompt = _check_token_ids(msg.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
+def _parse_start(prompt_ids, sampling: pb.SamplingParams, max_new_tokens: int, stop_ids,
+                 ignore_eos: bool, limits: Limits, default_stop_ids: frozenset[int],
+                 where: str) -> tuple[list[int], SamplingParams, frozenset[int]]:
+    """What an open and a Generate share: prompt, sampling, stop tokens."""
+    if not prompt_ids:
+        raise InvalidRequest(f"{where}prompt_token_ids is empty; send at least one token",
+                             field=f"{where}prompt_token_ids")
+    prompt = _check_token_ids(prompt_ids, limits.vocab_size, f"{where}prompt_token_ids")
     if len(prompt) + 1 > limits.max_context:
         raise ContextTooLong(f"prompt has {len(prompt)} tokens; the maximum context is "
-                             f"{limits.max_context} including at least one new token")
-    stop = _check_token_ids(msg.stop_token_ids, limits.vocab_size, "stop_token_ids")
-    stop_ids = frozenset(stop) if stop else (frozenset() if msg.ignore_eos else default_stop_ids)
-    has_draft = msg.HasField("first_draft")
-    return OpenParams(
-        prompt=prompt,
-        sampling=parse_sampling(msg.sampling),
-        max_new_tokens=int(msg.max_new_tokens),
-        stop_token_ids=stop_ids,
-        first_draft=parse_draft(msg.first_draft, limits) if has_draft else None,
-        first_draft_digest=draft_digest(msg.first_draft) if has_draft else b"",
-    )
+                             f"{limits.max_context} including at least one new token",
+                             field=f"{where}prompt_token_ids")
+    stop = _check_token_ids(stop_ids, limits.vocab_size, f"{where}stop_token_ids")
+    stops = frozenset(stop) if stop else (frozenset() if ignore_eos else default_stop_ids)
+    return prompt, parse_sampling(sampling, f"{where}sampling"), stops
 
 
-def parse_session_id(session_id: str) -> str:
-    if not is_well_formed_session_id(session_id):
-        raise InvalidRequest("session_id must be the 32 lowercase hex characters returned "
-                             "by OpenSession")
-    return session_id
-
-
-def result_to_pb(result: RoundResult) -> pb.RoundResult:
-    return pb.RoundResult(
-        round=result.round, num_accepted=result.num_accepted, next_token=result.next_token,
-        committed_length=result.committed_length, finished=result.finished,
-        target_forwards=result.target_forwards,
-        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
-        suggested_draft_len=result.suggested_draft_len,
-        draft_token_cost=result.draft_token_cost)
+def parse_open(msg: pb.OpenSession, limits: Limits,
+               default_stop_ids: frozenset[int]) -> OpenParams:
+    prompt, sampling, stops = _parse_start(
+        msg.prompt_token_ids, msg.sampling, msg.max_new_tokens, msg.stop_token_ids,
+        msg.ignore_eos, limits, default_stop_ids, "open.")
+    if msg.drafting not in (ROUNDS, LOOKAHEAD):
+        raise InvalidRequest("open.drafting must be DRAFTING_ROUNDS or DRAFTING_LOOKAHEAD",
+                             field="open.drafting")
+    if msg.HasField("first_draft"):
+        first = parse_draft(msg.first_draft, limits, "open.first_draft")
+    else:
+        first = NO_DRAFT if msg.drafting == ROUNDS else None
+    return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, msg.drafting, first)
 
 
 def parse_generate(msg: pb.GenerateRequest, limits: Limits,
                    default_stop_ids: frozenset[int]) -> OpenParams:
     """A cloud-only generation is a session without drafts."""
-    return parse_open(pb.OpenSessionRequest(
-        prompt_token_ids=msg.prompt_token_ids, sampling=msg.sampling,
-        max_new_tokens=msg.max_new_tokens, stop_token_ids=msg.stop_token_ids,
-        ignore_eos=msg.ignore_eos), limits, default_stop_ids)
+    prompt, sampling, stops = _parse_start(
+        msg.prompt_token_ids, msg.sampling, msg.max_new_tokens, msg.stop_token_ids,
+        msg.ignore_eos, limits, default_stop_ids, "")
+    return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, ROUNDS, None)
 
 
 def parse_lookahead(msg: pb.LookaheadDraft, limits: Limits, prompt_len: int,
@@ -179,5 +178,27 @@ def parse_lookahead(msg: pb.LookaheadDraft, limits: Limits, prompt_len: int,
     if not prompt_len <= msg.base_length <= committed_len:
         raise InvalidRequest(f"lookahead.base_length {msg.base_length} must be in "
                              f"[{prompt_len}, {committed_len}]: from the prompt length to "
-                             "the committed length streamed so far")
-    return Lookahead(int(msg.base_length), parse_draft(msg.draft, limits))
+                             "the committed length streamed so far",
+                             field="lookahead.base_length")
+    return Lookahead(int(msg.base_length), parse_draft(msg.draft, limits, "lookahead.draft"))
+
+
+def check_decode(msg: pb.Decode) -> pb.Decode:
+    if msg.max_tokens < 1:
+        raise InvalidRequest("decode.max_tokens must be at least 1", field="decode.max_tokens")
+    return msg
+
+
+def step_to_pb(result: RoundResult, suggestion: bool = True) -> pb.Step:
+    """The wire form of a round; ``suggestion=False`` leaves suggested_draft_len and
+    draft_token_cost absent (Generate, where drafting is not on the table)."""
+    step = pb.Step(
+        round=result.round, token_ids=result.token_ids, num_drafted=result.num_drafted,
+        num_accepted=result.num_accepted, committed_length=result.committed_length,
+        finished=result.finished, target_forwards=result.target_forwards,
+        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns))
+    if suggestion:
+        step.suggested_draft_len = result.suggested_draft_len
+        if result.draft_token_cost is not None:
+            step.draft_token_cost = result.draft_token_cost
+    return step

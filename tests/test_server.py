@@ -1,36 +1,41 @@
 """The verifier over real gRPC on a loopback port, with tiny random models.
 
-Covers the protocol (info, open with first draft, verify, close, stream), KV-cache rollback
-through rejections, idempotent retries, ownership, health, and one test per bad-input row.
+Covers the protocol (info, a rounds session on its stream, Decode, Generate), KV-cache
+rollback through rejections, the session's life (half-close, finish, TTL expiry), auth and
+routing-key metadata, health, drain, and one test per bad-input row with its ErrorInfo
+reason.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stream_helpers import (
+    LOOKAHEAD,
+    PROMPT,
+    SessionCall,
+    decode_message,
+    error_of,
+    lookahead_message,
+    open_message,
+    reference_greedy,
+    stream_error,
+    verify_message,
+)
 
 from cloud_verifier.config import VerifierConfig, key_digest
 from cloud_verifier.draft_policy import PROBE_EVERY
 from cloud_verifier.server import EmbeddedVerifier
+from shared import errors
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
-PROMPT = [1, 17, 42, 5, 63, 8]
-GREEDY = pb.SamplingParams(temperature=0.0)
-
-
-def reference_greedy(target, prompt: list[int], n: int) -> list[int]:
-    """Plain greedy decoding, one full forward per token (no cache)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            logits = target.model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt):]
+SERVICE = "edgespec.v1.VerifierService"
 
 
 @pytest.fixture()
@@ -43,19 +48,19 @@ def server(target):
 @pytest.fixture()
 def stub(server):
     with grpc.insecure_channel(server.address) as channel:
-        yield pb_grpc.VerifierStub(channel)
+        yield pb_grpc.VerifierServiceStub(channel)
 
 
-def code_of(call, *args, **kwargs) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args, **kwargs)
-    assert info.value.details(), "every error carries a message"
-    return info.value.code()
+def live_sessions(server) -> int:
+    return server.call(_count(server))
 
 
-def open_session(stub, prompt=PROMPT, sampling=GREEDY, **kwargs) -> pb.OpenSessionResponse:
-    return stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=prompt, sampling=sampling,
-                                                  ignore_eos=True, **kwargs))
+async def _count(server) -> int:
+    return len(server.server.service.store)
+
+
+def active_sessions_metric(server) -> float:
+    return server.server.metrics.active_sessions._value.get()
 
 
 def test_info_advertises_model_and_limits(stub, target):
@@ -73,323 +78,409 @@ def test_greedy_rounds_reproduce_plain_decoding_through_rejections(stub, target)
     """Drafts alternate between right and wrong tokens, so the cache is rolled back on most
     rounds; the committed text must still be plain greedy decoding."""
     want = reference_greedy(target, PROMPT, 40)
-    first = pb.Draft(token_ids=want[:3])  # all right: 3 accepted + bonus
-    opened = open_session(stub, first_draft=first)
-    assert opened.first_round.num_accepted == 3
-    assert opened.first_round.next_token == want[3]
-    assert opened.first_round.target_forwards == 1
-    got = want[:4]
-    round_no = 1
-    while len(got) < 24:
-        # Two right drafts, then a wrong one (rejected), then one that is never judged.
-        right = want[len(got):len(got) + 2]
-        wrong = (want[len(got) + 2] + 1) % target.vocab_size
-        draft = right + [wrong, 7]
-        # Confidences (odd rounds) only inform the cut, never the verdict.
-        confidence = [0.9, 0.8, 0.3, 0.1] if round_no % 2 else []
-        reply = stub.Verify(pb.VerifyRequest(
-            session_id=opened.session_id, round=round_no,
-            draft=pb.Draft(token_ids=draft, confidence=confidence))).result
-        assert reply.num_accepted == 2
-        assert reply.HasField("draft_token_cost") and reply.draft_token_cost >= 0
-        assert reply.next_token == want[len(got) + 2]
-        got += right + [reply.next_token]
-        assert reply.committed_length == len(PROMPT) + len(got)
-        round_no += 1
+    with SessionCall(stub, open_message(first=want[:3])) as call:  # all right: 3 + bonus
+        opened = call.reply()
+        first = opened.step
+        assert len(opened.session_id) == 32 and int(opened.session_id, 16) >= 0
+        assert (first.round, first.num_drafted, first.num_accepted) == (0, 3, 3)
+        assert list(first.token_ids) == want[:4] and first.target_forwards == 1
+        got = want[:4]
+        round_no = 1
+        while len(got) < 24:
+            # Two right drafts, then a wrong one (rejected), then one that is never judged.
+            right = want[len(got):len(got) + 2]
+            wrong = (want[len(got) + 2] + 1) % target.vocab_size
+            # Confidences (odd rounds) only inform the cut, never the verdict.
+            confidence = [0.9, 0.8, 0.3, 0.1] if round_no % 2 else []
+            step = call.send(verify_message(round_no, right + [wrong, 7],
+                                            confidence=confidence)).step()
+            assert (step.round, step.num_drafted, step.num_accepted) == (round_no, 4, 2)
+            assert step.HasField("draft_token_cost") and step.draft_token_cost >= 0
+            assert step.HasField("suggested_draft_len")
+            assert list(step.token_ids) == right + [want[len(got) + 2]]
+            got += list(step.token_ids)
+            assert step.committed_length == len(PROMPT) + len(got)
+            round_no += 1
     assert got == want[:len(got)]
 
 
-def test_k0_round_is_a_plain_step(stub, target):
-    opened = open_session(stub)
-    assert not opened.HasField("first_round") and opened.committed_length == len(PROMPT)
-    reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=0,
-                                         draft=pb.Draft())).result
-    assert reply.num_accepted == 0
-    assert reply.next_token == reference_greedy(target, PROMPT, 1)[0]
+def test_only_the_first_reply_carries_the_session_id(stub):
+    with SessionCall(stub, open_message(first=[5])) as call:
+        assert call.reply().session_id
+        assert call.send(verify_message(1, [6])).reply().session_id == ""
+
+
+def test_an_open_without_a_first_draft_is_one_plain_step(stub, target):
+    want = reference_greedy(target, PROMPT, 2)
+    for first in (None, []):
+        with SessionCall(stub, open_message(first=first)) as call:
+            step = call.step()
+            assert (step.num_drafted, step.num_accepted) == (0, 0)
+            assert list(step.token_ids) == want[:1]
+            assert call.send(verify_message(1)).step().token_ids == want[1:2]
 
 
 def test_session_ids_are_random_128_bit_hex(stub):
-    ids = {open_session(stub).session_id for _ in range(4)}
+    ids = set()
+    for _ in range(4):
+        with SessionCall(stub, open_message()) as call:
+            ids.add(call.reply().session_id)
     assert len(ids) == 4
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
 
-def test_retried_round_is_answered_once(stub, target):
-    opened = open_session(stub)
-    draft = pb.Draft(token_ids=[5, 6])
-    req = pb.VerifyRequest(session_id=opened.session_id, round=0, draft=draft)
-    first = stub.Verify(req).result
-    again = stub.Verify(req).result
-    assert (again.num_accepted, again.next_token, again.committed_length) == \
-        (first.num_accepted, first.next_token, first.committed_length)
-    assert first.target_forwards == 1 and again.target_forwards == 0
-    # Same round number with a different draft is not a retry.
-    other = pb.VerifyRequest(session_id=opened.session_id, round=0,
-                             draft=pb.Draft(token_ids=[9]))
-    assert code_of(stub.Verify, other) == grpc.StatusCode.FAILED_PRECONDITION
-
-
-def test_max_new_tokens_finishes_and_closes_the_session(stub, target):
+def test_max_new_tokens_finishes_and_the_stream_ends_at_the_half_close(server, stub, target):
     want = reference_greedy(target, PROMPT, 8)
-    opened = open_session(stub, max_new_tokens=3, first_draft=pb.Draft(token_ids=want[:5]))
-    result = opened.first_round
-    assert result.finished and result.committed_length == len(PROMPT) + 3
-    nxt = pb.VerifyRequest(session_id=opened.session_id, round=1, draft=pb.Draft())
-    assert code_of(stub.Verify, nxt) == grpc.StatusCode.NOT_FOUND
+    call = SessionCall(stub, open_message(first=want[:5], max_new_tokens=3))
+    step = call.step()
+    assert step.finished and list(step.token_ids) == want[:3]
+    assert step.committed_length == len(PROMPT) + 3
+    assert live_sessions(server) == 0  # closed by its finish
+    time.sleep(0.2)
+    assert not call.call.done()  # the server waits for the client's half-close
+    call.close()
+    assert call.rest() == [] and call.call.code() == grpc.StatusCode.OK
 
 
-def test_close_rides_on_verify(stub):
-    opened = open_session(stub)
-    stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=0, draft=pb.Draft(),
-                                 close=True))
-    nxt = pb.VerifyRequest(session_id=opened.session_id, round=1, draft=pb.Draft())
-    assert code_of(stub.Verify, nxt) == grpc.StatusCode.NOT_FOUND
+def test_a_message_after_the_finish_is_out_of_order(stub, target):
+    err = stream_error(stub, open_message(first=[5, 6], max_new_tokens=1), verify_message(1))
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, errors.OUT_OF_ORDER)
 
 
-def test_stream_carries_a_whole_session(stub, target):
-    want = reference_greedy(target, PROMPT, 6)
-    requests = [
-        pb.SessionRequest(open=pb.OpenSessionRequest(
-            prompt_token_ids=PROMPT, sampling=GREEDY, ignore_eos=True,
-            first_draft=pb.Draft(token_ids=want[:2]))),
-        pb.SessionRequest(verify=pb.VerifyRequest(round=1, draft=pb.Draft(token_ids=want[3:5]))),
-    ]
-    replies = list(stub.Session(iter(requests)))
-    assert replies[0].opened.first_round.num_accepted == 2
-    assert replies[0].opened.first_round.next_token == want[2]
-    assert replies[1].verified.result.num_accepted == 2
-    assert replies[1].verified.result.next_token == want[5]
+def test_half_closing_closes_the_session_at_once(server, stub):
+    call = SessionCall(stub, open_message())
+    call.step()
+    assert live_sessions(server) == 1 and active_sessions_metric(server) == 1
+    call.close()
+    assert call.rest() == [] and call.call.code() == grpc.StatusCode.OK
+    assert live_sessions(server) == 0 and active_sessions_metric(server) == 0
+
+
+def test_half_closing_during_a_decode_stops_it(server, stub):
+    call = SessionCall(stub, open_message(), decode_message(1, 100))
+    steps = [call.step() for _ in range(3)]
+    call.close()
+    rest = call.rest()  # the rounds answered before the server saw the half-close
+    assert call.call.code() == grpc.StatusCode.OK
+    assert len(steps) + len(rest) < 101
+    assert live_sessions(server) == 0
+
+
+def test_cancelling_the_stream_closes_the_session(server, stub):
+    call = SessionCall(stub, open_message(), decode_message(1, 1000))
+    call.step(), call.step()
+    call.cancel()
+    deadline = time.monotonic() + 5
+    while live_sessions(server):
+        assert time.monotonic() < deadline, "the cancelled stream's session stayed open"
+        time.sleep(0.02)
 
 
 def test_health_and_reflection(server):
     with grpc.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        status = health.Check(health_pb2.HealthCheckRequest(service="edgespec.v1.Verifier"))
-        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        for name in ("", SERVICE):
+            status = health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
         from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(refl.ServerReflectionInfo(iter([
             reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in reply.list_services_response.service}
-        assert "edgespec.v1.Verifier" in names
+        assert SERVICE in names
 
 
 # -- bad input: one test per row of the status table -----------------------------------------
 
-def verify_code(stub, draft: pb.Draft, round_no: int = 0) -> grpc.StatusCode:
-    opened = open_session(stub, sampling=pb.SamplingParams(temperature=1.0, seed=3))
-    return code_of(stub.Verify, pb.VerifyRequest(session_id=opened.session_id,
-                                                 round=round_no, draft=draft))
-
-
 def q(ids, probs):
-    return pb.SparseDistribution(token_ids=ids, probs=probs)
+    return (ids, probs)
 
 
-@pytest.mark.parametrize("draft", [
-    pb.Draft(token_ids=[96]),  # token id == V
-    pb.Draft(token_ids=[5], q=[q([5, 200], [0.5, 0.5])]),  # q id out of range
-    pb.Draft(token_ids=[5], q=[q([5, 6], [1.2, -0.2])]),  # negative / above one
-    pb.Draft(token_ids=[5], q=[q([5, 6], [float("nan"), 0.5])]),  # NaN
-    pb.Draft(token_ids=[5], q=[q([5, 6], [0.6, 0.41])]),  # sums past 1 + 1e-3
-    pb.Draft(token_ids=[5], q=[q([6, 7], [0.5, 0.5])]),  # drafted token missing from q
-    pb.Draft(token_ids=[5], q=[q([5, 6], [0.0, 1.0])]),  # drafted token with q = 0
-    pb.Draft(token_ids=[5, 6], q=[q([5], [1.0])]),  # q count != K
-    pb.Draft(token_ids=[5], q=[q([5, 5], [0.5, 0.5])]),  # duplicate ids
-    pb.Draft(token_ids=list(range(3, 12))),  # K = 9 > max_draft_len 8
-    pb.Draft(token_ids=[5, 6], confidence=[0.5]),  # confidence count != K
-    pb.Draft(token_ids=[5], confidence=[1.5]),  # confidence above one
-    pb.Draft(token_ids=[5], confidence=[-0.1]),  # negative confidence
-    pb.Draft(token_ids=[5], confidence=[float("nan")]),  # NaN confidence
+@pytest.mark.parametrize("tokens, dists, confidence, field", [
+    ([96], None, None, "verify.draft.token_ids"),  # token id == V
+    ([5], [q([5, 200], [0.5, 0.5])], None, "verify.draft.q[0]"),  # q id out of range
+    ([5], [q([5, 6], [1.2, -0.2])], None, "verify.draft.q[0]"),  # negative / above one
+    ([5], [q([5, 6], [float("nan"), 0.5])], None, "verify.draft.q[0]"),  # NaN
+    ([5], [q([5, 6], [0.6, 0.41])], None, "verify.draft.q[0]"),  # sums past 1 + 1e-3
+    ([5], [q([6, 7], [0.5, 0.5])], None, "verify.draft.q[0]"),  # drafted token missing
+    ([5], [q([5, 6], [0.0, 1.0])], None, "verify.draft.q[0]"),  # drafted token with q = 0
+    ([5, 6], [q([5], [1.0])], None, "verify.draft.q"),  # q count != K
+    ([5], [q([5, 5], [0.5, 0.5])], None, "verify.draft.q[0]"),  # duplicate ids
+    (list(range(3, 12)), None, None, "verify.draft.token_ids"),  # K = 9 > max_draft_len 8
+    ([5, 6], None, [0.5], "verify.draft.confidence"),  # confidence count != K
+    ([5], None, [1.5], "verify.draft.confidence"),  # confidence above one
+    ([5], None, [-0.1], "verify.draft.confidence"),  # negative confidence
+    ([5], None, [float("nan")], "verify.draft.confidence"),  # NaN confidence
 ], ids=["token", "q-token", "negative", "nan", "sum", "missing", "zero-q", "q-count",
         "duplicate", "k-too-big", "confidence-count", "confidence-above-one",
         "confidence-negative", "confidence-nan"])
-def test_invalid_drafts_are_invalid_argument(stub, draft):
-    assert verify_code(stub, draft) == grpc.StatusCode.INVALID_ARGUMENT
+def test_invalid_drafts_are_invalid_argument(server, stub, tokens, dists, confidence, field):
+    sampled = pb.SamplingParams(temperature=1.0, seed=3)
+    err = stream_error(stub, open_message(sampling=sampled),
+                       verify_message(1, tokens, q=dists, confidence=confidence))
+    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, errors.INVALID_ARGUMENT)
+    assert err.metadata == {"field": field}
+    assert live_sessions(server) == 0  # the failed stream's session is closed
 
 
-def test_invalid_open_requests(stub):
-    assert code_of(open_session, stub, prompt=[]) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code_of(open_session, stub, prompt=[1, 96]) == grpc.StatusCode.INVALID_ARGUMENT
+def test_invalid_opens_are_invalid_argument(stub):
+    def opening_error(**kwargs):
+        return stream_error(stub, open_message(**kwargs))
+
     bad_t = pb.SamplingParams(temperature=float("nan"))
-    assert code_of(open_session, stub, sampling=bad_t) == grpc.StatusCode.INVALID_ARGUMENT
     bad_p = pb.SamplingParams(temperature=1.0, top_p=1.5)
-    assert code_of(open_session, stub, sampling=bad_p) == grpc.StatusCode.INVALID_ARGUMENT
-    bad_id = pb.VerifyRequest(session_id="not-a-session", round=0)
-    assert code_of(stub.Verify, bad_id) == grpc.StatusCode.INVALID_ARGUMENT
+    for kwargs, field in [
+        (dict(prompt=[]), "open.prompt_token_ids"),
+        (dict(prompt=[1, 96]), "open.prompt_token_ids"),
+        (dict(sampling=bad_t), "open.sampling.temperature"),
+        (dict(sampling=bad_p), "open.sampling.top_p"),
+        (dict(drafting=pb.DRAFTING_UNSPECIFIED), "open.drafting"),
+        (dict(first=[5, 96]), "open.first_draft.token_ids"),
+    ]:
+        err = opening_error(**kwargs)
+        assert (err.code, err.reason, err.metadata) == \
+            (grpc.StatusCode.INVALID_ARGUMENT, errors.INVALID_ARGUMENT, {"field": field}), kwargs
+
+
+def test_a_stream_must_start_with_open(stub):
+    for messages in ([verify_message(0)], [pb.SessionRequest()]):
+        err = stream_error(stub, *messages)
+        assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                          errors.INVALID_ARGUMENT)
+    err = stream_error(stub, half_close=True)  # nothing at all
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.metadata == {"field": "open"}
+
+
+@pytest.mark.parametrize("message", [
+    open_message(),  # a second open
+    lookahead_message(len(PROMPT), [5]),  # not taken by a rounds session
+    verify_message(0),  # round 0 again
+    verify_message(2),  # skips round 1
+    decode_message(3, 1),
+], ids=["second-open", "lookahead", "repeat", "skip", "decode-skip"])
+def test_messages_out_of_place_are_failed_precondition(server, stub, message):
+    err = stream_error(stub, open_message(), message)
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, errors.OUT_OF_ORDER)
+    assert live_sessions(server) == 0
+
+
+def test_an_empty_message_after_the_open_is_invalid_argument(stub):
+    err = stream_error(stub, open_message(), pb.SessionRequest())
+    assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, errors.INVALID_ARGUMENT)
 
 
 def test_context_past_maximum_is_out_of_range(stub, target):
-    full = [5] * target.max_context
-    assert code_of(open_session, stub, prompt=full) == grpc.StatusCode.OUT_OF_RANGE
+    err = stream_error(stub, open_message(prompt=[5] * target.max_context))
+    assert (err.code, err.reason) == (grpc.StatusCode.OUT_OF_RANGE, errors.CONTEXT_TOO_LONG)
     nearly = [5] * (target.max_context - 3)
-    opened = open_session(stub, prompt=nearly)
-    too_many = pb.VerifyRequest(session_id=opened.session_id, round=0,
-                                draft=pb.Draft(token_ids=[5, 6, 7]))
-    assert code_of(stub.Verify, too_many) == grpc.StatusCode.OUT_OF_RANGE
-    fits = pb.VerifyRequest(session_id=opened.session_id, round=0,
-                            draft=pb.Draft(token_ids=[5, 6]))
-    assert stub.Verify(fits).result.committed_length <= target.max_context
+    err = stream_error(stub, open_message(prompt=nearly), verify_message(1, [5, 6, 7]))
+    assert (err.code, err.reason) == (grpc.StatusCode.OUT_OF_RANGE, errors.CONTEXT_TOO_LONG)
+    err = stream_error(stub, open_message(prompt=nearly, first=[5, 6, 7]))
+    assert (err.code, err.reason) == (grpc.StatusCode.OUT_OF_RANGE, errors.CONTEXT_TOO_LONG)
+    with SessionCall(stub, open_message(prompt=nearly)) as call:
+        call.step()
+        assert call.send(verify_message(1, [5])).step().committed_length <= target.max_context
 
 
-def test_unknown_session_is_not_found(stub):
-    unknown = pb.VerifyRequest(session_id="0" * 32, round=0)
-    assert code_of(stub.Verify, unknown) == grpc.StatusCode.NOT_FOUND
-
-
-def test_expired_session_is_not_found(target):
+def test_an_expired_sessions_next_message_is_session_expired(target):
+    """The TTL sweep closes a session idle on its stream; the stream's next message gets
+    NOT_FOUND with SESSION_EXPIRED (the client reopens with its committed context)."""
     config = VerifierConfig(port=0, session_ttl_s=0.2)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        opened = open_session(stub)
-        time.sleep(0.4)
-        req = pb.VerifyRequest(session_id=opened.session_id, round=0)
-        assert code_of(stub.Verify, req) == grpc.StatusCode.NOT_FOUND
+        stub = pb_grpc.VerifierServiceStub(channel)
+        call = SessionCall(stub, open_message())
+        call.step()
+        deadline = time.monotonic() + 5
+        while live_sessions(server):  # the sweep runs every TTL / 4
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        err = error_of(call.send(verify_message(1)).rest)
+        assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, errors.SESSION_EXPIRED)
+        assert server.server.metrics.evictions.labels("ttl")._value.get() == 1
 
 
 def test_a_streaming_session_is_not_idle(target):
-    """Generate never looks its session up by id; its rounds keep it in use, so a generation
-    longer than the TTL is not expired halfway (the sweep runs every TTL / 4)."""
+    """Generate's rounds keep its session in use, so a generation longer than the TTL is not
+    expired halfway (the sweep runs every TTL / 4)."""
     config = VerifierConfig(port=0, session_ttl_s=0.1)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
+        stub = pb_grpc.VerifierServiceStub(channel)
         t0 = time.monotonic()
         replies = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT,
                                                         ignore_eos=True)))
         assert time.monotonic() - t0 > 0.2  # longer than the TTL
-        assert replies[-1].finished
+        assert replies[-1].step.finished
 
 
-def test_round_out_of_order_is_failed_precondition(stub):
-    opened = open_session(stub)
-    skip = pb.VerifyRequest(session_id=opened.session_id, round=1, draft=pb.Draft())
-    assert code_of(stub.Verify, skip) == grpc.StatusCode.FAILED_PRECONDITION
+def test_too_many_sessions_is_resource_exhausted_with_a_retry_delay(stub):
+    calls = [SessionCall(stub, open_message()) for _ in range(4)]
+    try:
+        for call in calls:
+            call.step()
+        err = stream_error(stub, open_message())
+        assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.OVERLOADED)
+        assert err.retry_after_s == pytest.approx(0.2)
+        gen = error_of(lambda: list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT))))
+        assert gen.reason == errors.OVERLOADED and gen.retry_after_s == pytest.approx(0.2)
+    finally:
+        for call in calls:
+            call.cancel()
 
 
-def test_too_many_sessions_is_resource_exhausted(stub):
-    for _ in range(4):
-        open_session(stub)
-    assert code_of(open_session, stub) == grpc.StatusCode.RESOURCE_EXHAUSTED
+def test_rejections_are_counted_by_code(server, stub):
+    stream_error(stub, open_message(prompt=[]))
+    stream_error(stub, open_message(), verify_message(7))
+    rejected = server.server.metrics.rejected_requests
+    assert rejected.labels("INVALID_ARGUMENT")._value.get() == 1
+    assert rejected.labels("FAILED_PRECONDITION")._value.get() == 1
 
 
 def test_draining_is_unavailable_but_running_sessions_finish(server, stub, target):
     from cloud_verifier.healthcheck import main as healthcheck
 
-    want = reference_greedy(target, PROMPT, 2)
-    opened = open_session(stub)
-    assert healthcheck(["--address", server.address]) == 0
-    server.call(server.server.begin_drain())
-    assert healthcheck(["--address", server.address]) == 1  # NOT_SERVING
-    assert code_of(open_session, stub) == grpc.StatusCode.UNAVAILABLE
-    reply = stub.Verify(pb.VerifyRequest(session_id=opened.session_id, round=0,
-                                         draft=pb.Draft(token_ids=want[:1]))).result
-    assert (reply.num_accepted, reply.next_token) == (1, want[1])
+    want = reference_greedy(target, PROMPT, 4)
+    with SessionCall(stub, open_message(first=want[:1])) as call:
+        assert list(call.step().token_ids) == want[:2]
+        assert healthcheck(["--address", server.address]) == 0
+        server.call(server.server.begin_drain())
+        assert healthcheck(["--address", server.address]) == 1  # NOT_SERVING
+        err = stream_error(stub, open_message())
+        assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, errors.DRAINING)
+        assert err.retry_after_s is not None and err.retry_after_s > 0
+        step = call.send(verify_message(1, want[2:3])).step()
+        assert (step.num_accepted, list(step.token_ids)) == (1, want[2:4])
 
 
 def test_bad_requests_do_not_disturb_another_session(stub, target):
     want = reference_greedy(target, PROMPT, 6)
-    good = open_session(stub, first_draft=pb.Draft(token_ids=want[:2]))
-    for draft in (pb.Draft(token_ids=[500]), pb.Draft(token_ids=[5], q=[q([5], [2.0])])):
-        verify_code(stub, draft)
-    code_of(stub.Verify, pb.VerifyRequest(session_id=good.session_id, round=5))
-    reply = stub.Verify(pb.VerifyRequest(session_id=good.session_id, round=1,
-                                         draft=pb.Draft(token_ids=want[3:5]))).result
-    assert (reply.num_accepted, reply.next_token) == (2, want[5])
+    with SessionCall(stub, open_message(first=want[:2])) as good:
+        good.step()
+        for bad in (verify_message(1, [500]), verify_message(1, [5], q=[([5], [2.0])]),
+                    verify_message(5)):
+            stream_error(stub, open_message(), bad)
+        step = good.send(verify_message(1, want[3:5])).step()
+        assert (step.num_accepted, list(step.token_ids)) == (2, want[3:6])
 
 
-def test_sessions_belong_to_their_api_key(target):
-    config = VerifierConfig(port=0, api_key_digests=frozenset({key_digest("alice"),
-                                                               key_digest("bob")}))
+def test_an_internal_error_closes_only_its_session(server, stub, target):
+    engine = server.server.service.engine
+    run_batch = engine.run_batch
+    with SessionCall(stub, open_message()) as other:
+        other.step()
+
+        def failing(rounds):
+            engine.run_batch = run_batch  # once
+            raise RuntimeError("a bug")
+
+        engine.run_batch = failing
+        err = stream_error(stub, open_message())
+        assert (err.code, err.reason) == (grpc.StatusCode.INTERNAL, errors.INTERNAL)
+        assert "a bug" not in err.message  # no internals leak
+        assert live_sessions(server) == 1
+        want = reference_greedy(target, PROMPT, 2)
+        assert list(other.send(verify_message(1)).step().token_ids) == want[1:2]
+
+
+def test_the_service_needs_an_api_key_and_health_does_not(target):
+    config = VerifierConfig(port=0, api_key_digests=frozenset({key_digest("alice")}))
+    alice = (("authorization", "Bearer alice"),)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        alice = (("authorization", "Bearer alice"),)
-        bob = (("authorization", "Bearer bob"),)
-        req = pb.OpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY)
-        assert code_of(stub.OpenSession, req) == grpc.StatusCode.UNAUTHENTICATED
-        assert code_of(stub.OpenSession, req, metadata=(("authorization", "Bearer eve"),)) \
-            == grpc.StatusCode.UNAUTHENTICATED
-        opened = stub.OpenSession(req, metadata=alice)
-        verify = pb.VerifyRequest(session_id=opened.session_id, round=0)
-        assert code_of(stub.Verify, verify, metadata=bob) == grpc.StatusCode.NOT_FOUND
-        assert stub.Verify(verify, metadata=alice).result.committed_length == len(PROMPT) + 1
+        stub = pb_grpc.VerifierServiceStub(channel)
+        for metadata in (None, (("authorization", "Bearer eve"),),
+                         (("authorization", "alice"),)):
+            err = error_of(stub.GetInfo, pb.GetInfoRequest(), metadata=metadata)
+            assert (err.code, err.reason) == (grpc.StatusCode.UNAUTHENTICATED,
+                                              errors.UNAUTHENTICATED)
+            err = stream_error(stub, open_message(), metadata=metadata)
+            assert err.reason == errors.UNAUTHENTICATED
+            err = error_of(lambda m=metadata: list(stub.Generate(
+                pb.GenerateRequest(prompt_token_ids=PROMPT), metadata=m)))
+            assert err.reason == errors.UNAUTHENTICATED
+        assert stub.GetInfo(pb.GetInfoRequest(), metadata=alice).vocab_size == target.vocab_size
+        with SessionCall(stub, open_message(), metadata=alice) as call:
+            assert call.step().committed_length == len(PROMPT) + 1
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_routing_key_is_checked(stub):
+    good = ((errors.ROUTING_KEY, "gen-42_A"),)
+    assert stub.GetInfo(pb.GetInfoRequest(), metadata=good).protocol_version == "edgespec.v1"
+    with SessionCall(stub, open_message(), metadata=good) as call:
+        assert call.step().round == 0
+    for bad in ("", "has space", "x" * 65, "a/b"):
+        metadata = ((errors.ROUTING_KEY, bad),)
+        err = error_of(stub.GetInfo, pb.GetInfoRequest(), metadata=metadata)
+        assert (err.code, err.reason, err.metadata) == (
+            grpc.StatusCode.INVALID_ARGUMENT, errors.INVALID_ARGUMENT,
+            {"field": errors.ROUTING_KEY}), bad
+        err = stream_error(stub, open_message(), metadata=metadata)
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_generate_is_plain_greedy_decoding_streamed(stub, target):
     want = reference_greedy(target, PROMPT, 10)
-    replies = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=10,
-                                                    ignore_eos=True)))
-    assert [t for r in replies for t in r.token_ids] == want
-    assert [r.finished for r in replies] == [False] * 9 + [True]
-    assert replies[-1].committed_length == len(PROMPT) + 10
+    steps = [r.step for r in stub.Generate(pb.GenerateRequest(
+        prompt_token_ids=PROMPT, max_new_tokens=10, ignore_eos=True))]
+    assert [t for s in steps for t in s.token_ids] == want
+    assert [s.round for s in steps] == list(range(10))
+    assert [s.finished for s in steps] == [False] * 9 + [True]
+    assert all(s.num_drafted == 0 and s.target_forwards == 1 for s in steps)
+    assert not any(s.HasField("suggested_draft_len") for s in steps)
+    assert steps[-1].committed_length == len(PROMPT) + 10
 
 
-def test_resource_exhausted_carries_a_retry_hint(stub):
-    for _ in range(4):
-        open_session(stub)
-    with pytest.raises(grpc.RpcError) as info:
-        open_session(stub)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    hint = dict(info.value.trailing_metadata())["retry-after-ms"]
-    assert int(hint) > 0
-
-
-def test_continue_streams_plain_decoding_in_the_session(target):
-    """Under a cost model where drafting never pays, Continue decodes round after round in
-    the session, streams each one, and stops after the acceptance probe (PROBE_EVERY)."""
+def test_decode_streams_plain_decoding_in_the_session(target):
+    """Under a cost model where drafting never pays, a Decode decodes round after round in
+    the session, one Step each, and stops after the acceptance probe (PROBE_EVERY)."""
     config = VerifierConfig(port=0, max_draft_len=8, verify_token_cost=100.0,
                             fit_verify_cost=False)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
+        stub = pb_grpc.VerifierServiceStub(channel)
         n = 2 * PROBE_EVERY + 6
         want = reference_greedy(target, PROMPT, n)
-        opened = open_session(stub, max_new_tokens=n,
-                              first_draft=pb.Draft(token_ids=[want[0], 3]))
-        first = opened.first_round
+        call = SessionCall(stub, open_message(first=[want[0], 3], max_new_tokens=n))
+        first = call.step()
         assert first.suggested_draft_len == 0  # plain decoding is cheaper
-        got = [want[0], first.next_token] if first.num_accepted else [first.next_token]
-        replies = list(stub.Continue(pb.ContinueRequest(
-            session_id=opened.session_id, round=1, max_tokens=1000,
-            stop_when_drafting_pays=True)))
-        # Rounds 1..P-1 stream; round P-1 is the probe (suggests 1) and ends the stream.
-        assert [r.round for r in replies] == list(range(1, PROBE_EVERY))
-        assert [r.suggested_draft_len for r in replies] == [0] * (PROBE_EVERY - 2) + [1]
-        assert all(r.num_accepted == 0 and r.target_forwards == 1 for r in replies)
-        got += [r.next_token for r in replies]
+        got = list(first.token_ids)
+        call.send(decode_message(1, 1000, stop_when_drafting_pays=True))
+        steps = []
+        while not steps or steps[-1].suggested_draft_len == 0:
+            steps.append(call.step())
+        # Rounds 1..P-1 stream; round P-1 is the probe (suggests 1) and ends the Decode.
+        assert [s.round for s in steps] == list(range(1, PROBE_EVERY))
+        assert [s.suggested_draft_len for s in steps] == [0] * (PROBE_EVERY - 2) + [1]
+        assert all(s.num_drafted == 0 and s.target_forwards == 1 for s in steps)
+        got += [t for s in steps for t in s.token_ids]
         assert got == want[:len(got)]
-        assert replies[-1].committed_length == len(PROMPT) + len(got)
-        # A round the client missed is replayed, not applied twice.
-        last = PROBE_EVERY - 1
-        again = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id,
-                                                      round=last, max_tokens=1)))
-        assert [(r.round, r.next_token, r.target_forwards) for r in again] == \
-            [(last, replies[-1].next_token, 0)]
+        # A Decode of 2: exactly two Steps, then the stream takes the next message.
+        two = [call.send(decode_message(PROBE_EVERY, 2)).step(), call.step()]
+        assert [s.round for s in two] == [PROBE_EVERY, PROBE_EVERY + 1]
+        got += [t for s in two for t in s.token_ids]
         # Not stopping for the probes: to the end of the session (its max_new_tokens).
-        rest = list(stub.Continue(pb.ContinueRequest(session_id=opened.session_id,
-                                                      round=last + 1, max_tokens=1000)))
-        assert any(r.suggested_draft_len for r in rest[:-1])  # the probe at round 2P-1
-        got += [r.next_token for r in rest]
-        assert got == want and rest[-1].finished
+        call.send(decode_message(PROBE_EVERY + 2, 1000))
+        rest = []
+        while not rest or not rest[-1].finished:
+            rest.append(call.step())
+        assert any(s.suggested_draft_len for s in rest[:-1])  # the probe at round 2P-1
+        got += [t for s in rest for t in s.token_ids]
+        assert got == want
+        call.close()
+        assert call.rest() == []
 
 
-def test_continue_rejects_bad_requests(stub):
-    opened = open_session(stub)
-    sid = opened.session_id
-
-    def code(**kw):
-        return code_of(lambda r: list(stub.Continue(r)), pb.ContinueRequest(**kw))
-
-    assert code(session_id=sid, round=0, max_tokens=0) == grpc.StatusCode.INVALID_ARGUMENT
-    assert code(session_id=sid, round=3, max_tokens=1) == grpc.StatusCode.FAILED_PRECONDITION
-    assert code(session_id="ab" * 16, round=0, max_tokens=1) == grpc.StatusCode.NOT_FOUND
-    assert code(session_id="nope", round=0, max_tokens=1) == grpc.StatusCode.INVALID_ARGUMENT
-    # The session is undisturbed.
-    assert len(list(stub.Continue(pb.ContinueRequest(session_id=sid, round=0,
-                                                     max_tokens=1)))) == 1
+def test_decode_rejects_bad_requests(stub):
+    err = stream_error(stub, open_message(), decode_message(1, 0))
+    assert (err.code, err.metadata) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                        {"field": "decode.max_tokens"})
+    err = stream_error(stub, open_message(drafting=LOOKAHEAD), decode_message(1, 1))
+    assert err.reason == errors.OUT_OF_ORDER  # lookahead sessions take no Decode
 
 
 def test_command_line_checks_its_numbers():
@@ -402,3 +493,19 @@ def test_command_line_checks_its_numbers():
     for bad in (["--threads", "0"], ["--verify-token-cost", "-1"], ["--kv-wait", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_help_and_version_do_not_import_torch():
+    script = ("import sys\n"
+              "from cloud_verifier.server import main\n"
+              "for argv in (['--help'], ['--version']):\n"
+              "    try:\n"
+              "        main(argv)\n"
+              "    except SystemExit as exit:\n"
+              "        assert exit.code == 0, exit.code\n"
+              "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "usage: edgespec-verifier" in out.stdout
+    assert out.stdout.strip().splitlines()[-1].startswith("edgespec ")

@@ -10,19 +10,16 @@ saturation it shrinks K (to 0: plain decoding) exactly when a round's extra toke
 than they commit.
 
 The server fits s and t online to its own forwards (``VerifyCostModel``); the constants
-below are its prior and what it uses with ``--fixed-verify-cost``.
-s = 0.032 and t = 0.020 are a least-squares fit of the packed verify forward on the project's
-2-core CPU (``python -m cloud_verifier.bench.verify_cost``, which prints the fit for any
-machine; ``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it): about
-118 ms fixed, 3.8 ms per session and 2.4 ms per token, for 2..160 tokens (2026-11-30, after
-the few-row projection change in packed_forward; two earlier runs fitted 0.038/0.018 and
-0.035/0.029). Tokens are cheap next to sessions because a small-batch forward is bound by
-streaming the weights, not by FLOPs. The earlier affine model ``1 + c * tokens`` (c = 0.081
-from the project notes, then 0.15 fitted to decode batches, where tokens and sessions grow
-together) charged every draft as much as a new session and turned speculation off from 8
-sessions on, where it pays most. A linear model cannot follow the per-shape jumps (a forward
-of at most 8 rows takes a faster path; past ~40 rows it turns compute-bound), which is why the
-server refits it to the shapes it is actually running.
+below are its prior and what it uses with ``--fixed-verify-cost``. They are a least-squares
+fit of the packed verify forward on the project's CPU (``python -m
+cloud_verifier.bench.verify_cost`` prints the fit for any machine;
+``edgespec-verifier --verify-session-cost/--verify-token-cost`` take it). Tokens are cheap
+next to sessions because a small-batch forward is bound by streaming the weights, not by
+FLOPs. An affine model ``1 + c * tokens`` (fitted to decode batches, where tokens and sessions
+grow together) would charge every draft as much as a new session and turn speculation off at
+the batch sizes where it pays most. A linear model cannot follow the per-shape jumps (small
+forwards take other kernel paths; with many rows a forward turns compute-bound), which is why
+the server refits it to the shapes it is actually running.
 """
 
 from __future__ import annotations

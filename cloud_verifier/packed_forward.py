@@ -16,19 +16,16 @@ How the projections and the LM head are multiplied (``_linear``) decides most of
 time on a CPU, and the fastest kernel depends on the number of rows (new tokens):
 
 - More than ``FEW_ROWS`` rows: oneDNN with weights packed once into its own layout
-  (``packed_weights``; a second copy of the projections and LM head, 540 MB for SmolLM2-135M).
-  MKL's ``x @ W^T`` (what ``nn.Linear`` runs) reaches 30-60 GF/s with 8-32 rows on the
-  project's AMD CPU when the weights come from memory, as in a forward; the packed kernel
-  streams them near the memory bandwidth, so rows up to ~8 cost about what 2 do. Whole packed
-  forward, A/B in one process (medians of 7, 2026-11-30, this VM), MKL -> packed: 4 sessions x
-  4 tokens 93 -> 56 ms, 8 x 1 66 -> 50, 8 x 4 134 -> 92, 16 x 1 108 -> 72, 16 x 4 205 -> 157,
-  32 x 1 189 -> 143. Unpacked oneDNN (a dense weight) reorders the weight at every call and is
-  slower than MKL.
+  (``packed_weights``; a second copy of the projections and LM head, so it costs memory).
+  MKL's ``x @ W^T`` (what ``nn.Linear`` runs) is far from the memory bandwidth with a handful
+  of rows when the weights come from memory, as in a forward; the packed kernel streams them
+  near the bandwidth, so a few more rows cost little more than two, and whole packed forwards
+  of several sessions are faster with it. Unpacked oneDNN (a dense weight) reorders the weight
+  at every call and is slower than MKL.
 - At most ``FEW_ROWS`` rows: MKL's ``W @ x^T``, a memory-bound product that the packed kernel
-  does not beat (1 session x 1 token 32 vs 42 ms packed, 2 x 1 29 vs 40), made contiguous (a
-  transposed q/k/v makes ``scaled_dot_product_attention`` leave its fused CPU kernel for the
-  math fallback, which cost 8 sessions x 1 token 105 vs 74 ms), and one row is computed as two
-  (with one column MKL takes a matrix-vector path on one core: 55 vs 38 ms).
+  does not beat, made contiguous (a transposed q/k/v makes ``scaled_dot_product_attention``
+  leave its fused CPU kernel for the slower math fallback), and one row is computed as two
+  (with one column MKL takes a matrix-vector path on one core, which is slower).
 """
 
 from __future__ import annotations

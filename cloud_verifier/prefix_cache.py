@@ -13,8 +13,8 @@ Rules:
 - **Per owner.** A session only ever reuses what sessions opened with its own credentials
   computed: another tenant's text cannot leak, not even through timing.
 - **Copy, not move.** Kept buffers are never written to; a new session copies the prefix
-  (``length x bytes_per_token``: 46 KB a token for SmolLM2-135M, a millisecond for a few
-  hundred tokens, against a forward's several milliseconds per token), so any number of
+  (``length x bytes_per_token``, a memory copy: far cheaper than the forward that would
+  recompute those keys and values), so any number of
   sessions can start from one kept prompt, such as a shared system prompt.
 - **The last prompt token is always fed**, since its logits start the first round: at most
   ``len(prompt) - 1`` tokens are reused.

@@ -1,15 +1,14 @@
 """One thread for all of the verifier's tensor work.
 
 torch's CPU kernels run on an OpenMP team owned by the thread that calls them. Once a second
-thread has run parallel torch work, both threads' forwards get much slower on this project's
-2-core machine: one session x 1 token 29 -> 79-96 ms, 4 x 1 52 -> 71-82, 8 x 4 112 -> 144-163
-(packed forwards timed from an asyncio loop, model loaded and prefilled on one thread and
-forwards run on another, either way round, against all on one; medians of 17, 2026-11-30).
-``asyncio.to_thread``, which the batcher used, also spreads calls over a pool of threads.
+thread has run parallel torch work, both threads' forwards get much slower: the two OpenMP
+teams compete for the same cores (it shows whichever thread loads the model and whichever
+runs the forwards). ``asyncio.to_thread``, which the batcher used, also spreads calls over a
+pool of threads.
 
 So the model is loaded, packed and run on this one thread, and so are the copies the event
-loop asks for (a prefix-cache restore copied on the event loop thread halved a 1-client
-fleet's tokens/s): ``run`` calls a function on it and waits, ``call`` awaits it from an event
+loop asks for (a prefix-cache restore copied on the event loop thread slows every session
+down): ``run`` calls a function on it and waits, ``call`` awaits it from an event
 loop, ``submit`` queues it. Work here runs in submission order.
 """
 

@@ -28,7 +28,10 @@ def default_target_dir() -> Path:
 
 def default_draft_dir() -> Path:
     """The ONNX draft the edge client uses by default: the distilled draft shipped in the
-    package (``edge_client/drafts``), so it needs no preparation."""
+    package (``edge_client/drafts``), so it needs no preparation.
+
+    Resolved from this file's location (``shared`` and ``edge_client`` are installed side by
+    side), so the cloud side finds the draft without importing ``edge_client``."""
     return Path(__file__).resolve().parent.parent / "edge_client" / "drafts" / SHIPPED_DRAFT
 
 

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from stream_helpers import PROMPT, SessionCall, error_of, open_message, verify_message
 
 from cloud_verifier.batcher import RoundBatcher
 from cloud_verifier.config import VerifierConfig
@@ -16,13 +17,11 @@ from cloud_verifier.draft_policy import VerifyCostModel, expected_tokens, sugges
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
-from shared.pb import verifier_pb2 as pb
+from shared import errors
 from shared.pb import verifier_pb2_grpc as pb_grpc
-from shared.sampling import SamplingParams
-
-PROMPT = [1, 17, 42, 5, 63, 8]
 
 
 def test_expected_tokens_formula():
@@ -88,11 +87,12 @@ def test_verify_cost_model_without_fitting_or_data_is_the_prior():
 def test_replies_carry_a_suggested_draft_length(target):
     with EmbeddedVerifier(target, VerifierConfig(port=0, max_draft_len=8)) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        opened = stub.OpenSession(pb.OpenSessionRequest(
-            prompt_token_ids=PROMPT, first_draft=pb.Draft(token_ids=[90, 91, 92, 93])))
+        stub = pb_grpc.VerifierServiceStub(channel)
+        with SessionCall(stub, open_message(first=[90, 91, 92, 93],
+                                            ignore_eos=False)) as call:
+            step = call.step()
         # Wrong drafts at an idle server: acceptance falls, and so does the suggestion.
-        assert 0 <= opened.first_round.suggested_draft_len <= 8
+        assert step.HasField("suggested_draft_len") and 0 <= step.suggested_draft_len <= 8
 
 
 def test_randomness_is_a_function_of_seed_and_position(target):
@@ -121,33 +121,31 @@ def test_randomness_is_a_function_of_seed_and_position(target):
 
 def test_eviction_is_lru_and_reopening_keeps_the_output(target):
     """A KV budget for about two sessions: opening a third evicts the least recently used
-    idle one; its owner reopens with the full context and the output is unchanged."""
+    idle one, whose stream's next message gets NOT_FOUND with SESSION_EVICTED; its owner
+    reopens with the full context and the output is unchanged."""
     probe = VerifierEngine(target.model, target.vocab_size, target.max_context)
     budget = 2 * 64 * probe.kv.bytes_per_token  # two minimum-size buffers
     config = VerifierConfig(port=0, kv_budget_bytes=budget)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-
-        def open_(prompt):
-            return stub.OpenSession(pb.OpenSessionRequest(
-                prompt_token_ids=prompt, ignore_eos=True, first_draft=pb.Draft()))
-
-        a = open_(PROMPT)
-        committed = PROMPT + [a.first_round.next_token]
-        open_([3, 4, 5])
-        open_([6, 7, 8])  # needs room: evicts a (least recently used)
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Verify(pb.VerifyRequest(session_id=a.session_id, round=1, draft=pb.Draft()))
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
-        assert "evicted" in info.value.details()
+        stub = pb_grpc.VerifierServiceStub(channel)
+        a = SessionCall(stub, open_message(PROMPT, first=[]))
+        committed = PROMPT + list(a.step().token_ids)
+        others = [SessionCall(stub, open_message([3, 4, 5], first=[]))]
+        others[0].step()
+        others.append(SessionCall(stub, open_message([6, 7, 8], first=[])))
+        others[1].step()  # needed room: evicted a (least recently used)
+        err = error_of(a.send(verify_message(1)).rest)
+        assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND, errors.SESSION_EVICTED)
+        assert "evicted" in err.message
         assert server.server.service.engine.kv.bytes_in_use <= budget
-        reopened = open_(committed)  # the full committed context as the prompt
-        committed.append(reopened.first_round.next_token)
-        for round_no in range(1, 5):
-            reply = stub.Verify(pb.VerifyRequest(session_id=reopened.session_id,
-                                                 round=round_no, draft=pb.Draft()))
-            committed.append(reply.result.next_token)
+        # The full committed context as the prompt.
+        with SessionCall(stub, open_message(committed, first=[])) as reopened:
+            committed += reopened.step().token_ids
+            for round_no in range(1, 5):
+                committed += reopened.send(verify_message(round_no)).step().token_ids
+        for call in others:
+            call.cancel()
         evictions = server.server.metrics.evictions.labels("kv_budget")._value.get()
     assert evictions >= 1
     with torch.no_grad():

@@ -13,16 +13,18 @@ import threading
 import grpc
 import pytest
 import torch
+from stream_helpers import SessionCall, open_message, stream_error
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.engine import DraftRound, VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_forward, sequential_forward
+from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
 from edge_client.client import EdgeClient, GenerationConfig
+from shared import errors
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
-from shared.sampling import SamplingParams
 
 PROMPT_LENGTHS = [3, 20, 7, 12, 1, 30, 9, 15]
 DRAFT_LENGTHS = [4, 1, 6, 0, 3, 5, 2, 4]
@@ -143,22 +145,19 @@ def test_kv_budget_is_enforced(target):
 
 
 def test_kv_budget_exhaustion_is_resource_exhausted(target):
-    """A round that cannot fit even after evicting every idle session is refused cleanly."""
+    """A round that cannot fit even after evicting every idle session is refused cleanly,
+    with OVERLOADED and a retry delay."""
     config = VerifierConfig(port=0, kv_budget_bytes=64 * engine_bytes_per_token(target))
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        from shared.pb import verifier_pb2 as pb
-        from shared.pb import verifier_pb2_grpc as pb_grpc
-
-        stub = pb_grpc.VerifierStub(channel)
-        too_long = pb.OpenSessionRequest(prompt_token_ids=[5] * 80, first_draft=pb.Draft())
-        with pytest.raises(grpc.RpcError) as info:
-            stub.OpenSession(too_long)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stub = pb_grpc.VerifierServiceStub(channel)
+        err = stream_error(stub, open_message([5] * 80, first=[]))
+        assert (err.code, err.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.OVERLOADED)
+        assert err.retry_after_s is not None and err.retry_after_s > 0
         assert server.server.service.engine.kv.bytes_in_use == 0
-        fits = pb.OpenSessionRequest(prompt_token_ids=[5] * 30, first_draft=pb.Draft())
-        assert stub.OpenSession(fits).committed_length == 31
-        assert server.server.service.engine.kv.bytes_in_use <= config.kv_budget_bytes
+        with SessionCall(stub, open_message([5] * 30, first=[])) as call:
+            assert call.step().committed_length == 31
+            assert server.server.service.engine.kv.bytes_in_use <= config.kv_budget_bytes
 
 
 def engine_bytes_per_token(target) -> int:
@@ -169,19 +168,14 @@ def test_failed_open_leaves_no_session_behind(target):
     config = VerifierConfig(port=0, kv_budget_bytes=64 * engine_bytes_per_token(target))
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        from shared.pb import verifier_pb2 as pb
-        from shared.pb import verifier_pb2_grpc as pb_grpc
-
-        stub = pb_grpc.VerifierStub(channel)
-        with pytest.raises(grpc.RpcError):
-            stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=[5] * 80,
-                                                   first_draft=pb.Draft()))
-        server.call(asyncio.sleep(0.05))  # let the close run
+        stub = pb_grpc.VerifierServiceStub(channel)
+        stream_error(stub, open_message([5] * 80, first=[]))
+        server.call(asyncio.sleep(0.05))  # let a close after a round in flight run
         assert len(server.server.service.store) == 0
 
 
 def test_concurrent_streams_share_forwards(target):
-    """Streamed sessions (Generate, Continue) resubmit right after each answer; the batcher
+    """Streamed sessions (Generate, Decode) resubmit right after each answer; the batcher
     waits briefly for them, so four streams of 24 tokens take about 24 forwards, not 96."""
     import threading
 
@@ -199,9 +193,9 @@ def test_concurrent_streams_share_forwards(target):
 
         def stream(i: int) -> None:
             with grpc.insecure_channel(server.address) as channel:
-                replies = pb_grpc.VerifierStub(channel).Generate(pb.GenerateRequest(
+                replies = pb_grpc.VerifierServiceStub(channel).Generate(pb.GenerateRequest(
                     prompt_token_ids=[1, 5 + i, 9], max_new_tokens=24, ignore_eos=True))
-                outputs[i] = [t for r in replies for t in r.token_ids]
+                outputs[i] = [t for r in replies for t in r.step.token_ids]
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:

@@ -1,25 +1,39 @@
-"""The Lookahead stream: which drafts a forward takes (pure), that the stream's output is the
-target's (greedy over real gRPC; sampling as a law, simulated), and its bad-input statuses."""
+"""Lookahead mode of the Session stream: which drafts a forward takes (pure), that the
+stream's output is the target's (greedy over real gRPC; sampling as a law, simulated), its
+half-close and cancel, and its bad-input statuses."""
 
 from __future__ import annotations
 
-import queue
 import time
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from test_server import GREEDY, PROMPT, code_of, reference_greedy
+from stream_helpers import (
+    LOOKAHEAD,
+    PROMPT,
+    SessionCall,
+    decode_message,
+    lookahead_message,
+    open_message,
+    reference_greedy,
+    stream_error,
+    verify_message,
+)
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.engine import NO_DRAFT, DraftRound
 from cloud_verifier.lookahead import Lookahead, fresh_drafts
 from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.verification import verify
+from shared import errors
 from shared.draft_length import worth_verifying
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
-from shared.verification import verify
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 # -- which drafts a forward takes ---------------------------------------------------------------
 
@@ -116,37 +130,8 @@ def test_lookahead_stream_keeps_sampling_lossless():
 # -- over real gRPC, tiny random target --------------------------------------------------------
 
 
-class Feed:
-    """A request stream the test keeps writing to while it reads the replies."""
-
-    def __init__(self, *first) -> None:
-        self._queue: queue.Queue = queue.Queue()
-        for message in first:
-            self.put(message)
-
-    def put(self, message) -> None:
-        self._queue.put(message)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def __iter__(self):
-        while (message := self._queue.get()) is not None:
-            yield message
-
-
-def opening(max_new_tokens: int, first_draft: list[int] | None = None) -> pb.LookaheadRequest:
-    request = pb.OpenSessionRequest(prompt_token_ids=PROMPT, sampling=GREEDY, ignore_eos=True,
-                                    max_new_tokens=max_new_tokens)
-    if first_draft is not None:
-        request.first_draft.CopyFrom(pb.Draft(token_ids=first_draft))
-    return pb.LookaheadRequest(open=request)
-
-
-def lookahead(base: int, tokens: list[int],
-              confidence: list[float] | None = None) -> pb.LookaheadRequest:
-    return pb.LookaheadRequest(lookahead=pb.LookaheadDraft(
-        base_length=base, draft=pb.Draft(token_ids=tokens, confidence=confidence or ())))
+def opening(max_new_tokens: int, first_draft: list[int] | None = None) -> pb.SessionRequest:
+    return open_message(drafting=LOOKAHEAD, first=first_draft, max_new_tokens=max_new_tokens)
 
 
 @pytest.fixture()
@@ -159,7 +144,7 @@ def verifier(target):
 @pytest.fixture()
 def stub(verifier):
     with grpc.insecure_channel(verifier.address) as channel:
-        yield pb_grpc.VerifierStub(channel)
+        yield pb_grpc.VerifierServiceStub(channel)
 
 
 def lookahead_forwards(verifier) -> dict[str, float]:
@@ -168,25 +153,48 @@ def lookahead_forwards(verifier) -> dict[str, float]:
             for kind in ("fresh", "stale", "none", "unsure")}
 
 
+def live_sessions(verifier) -> int:
+    async def count() -> int:
+        return len(verifier.server.service.store)
+    return verifier.call(count())
+
+
+def to_the_end(call: SessionCall, answer=None, steps=()) -> list[pb.Step]:
+    """Reads Steps (after ``steps``, already read) until the finishing one, calling
+    ``answer(steps so far)`` after each earlier one, then half-closes; the stream must end
+    OK with nothing more."""
+    steps = list(steps)
+    while not steps or not steps[-1].finished:
+        steps.append(call.step())
+        if answer is not None and not steps[-1].finished:
+            answer(steps)
+    call.close()
+    assert call.rest() == [] and call.call.code() == grpc.StatusCode.OK
+    return steps
+
+
 def test_greedy_lookahead_stream_is_plain_greedy_decoding(stub, target):
     """The client answers every step with a lookahead of the next 6 greedy tokens after
     what it has; whether a lookahead arrives in time or not, the text is the target's."""
     n = 30
     want = reference_greedy(target, PROMPT, n + 8)
-    feed = Feed(opening(n, first_draft=want[:4]))
-    got, steps = [], []
-    for step in stub.Lookahead(iter(feed)):
-        got += step.token_ids
-        steps.append(step)
-        assert step.committed_length == len(PROMPT) + len(got)
-        assert step.num_accepted <= step.num_drafted and step.timing.forward_ns > 0
-        if step.finished:
-            feed.close()  # the server ends the stream once the client does
-        else:
-            feed.put(lookahead(len(PROMPT) + len(got), want[len(got):len(got) + 6]))
-    assert got == want[:n]
+    call = SessionCall(stub, opening(n, first_draft=want[:4]))
+    first = call.reply()
+    assert len(first.session_id) == 32  # on the first reply only
+
+    def answer(steps):
+        done = sum(len(s.token_ids) for s in steps)
+        call.send(lookahead_message(len(PROMPT) + done, want[done:done + 6]))
+
+    answer([first.step])
+    steps = to_the_end(call, answer, [first.step])
+    assert [t for s in steps for t in s.token_ids] == want[:n]
+    assert [s.round for s in steps] == list(range(len(steps)))
+    assert all(s.committed_length == len(PROMPT) + sum(len(t.token_ids) for t in steps[:i + 1])
+               for i, s in enumerate(steps))
+    assert all(s.num_accepted <= s.num_drafted and s.timing.forward_ns > 0 for s in steps)
     assert steps[-1].finished and not any(s.finished for s in steps[:-1])
-    # Round 0 takes the open's first draft: all 4 right, plus the bonus token.
+    # Forward 0 takes the open's first draft: all 4 right, plus the bonus token.
     assert (steps[0].num_drafted, steps[0].num_accepted, len(steps[0].token_ids)) == (4, 4, 5)
     # Every verified lookahead token was right, so each was accepted.
     assert all(s.num_accepted == s.num_drafted for s in steps)
@@ -200,18 +208,16 @@ def test_lookaheads_are_cut_by_their_confidences(verifier, stub, target, sure):
     verified. Either way the text is the target's."""
     n = 24
     want = reference_greedy(target, PROMPT, n + 8)
-    feed = Feed(opening(n))
-    got, steps = [], []
-    for step in stub.Lookahead(iter(feed)):
-        got += step.token_ids
-        steps.append(step)
-        assert step.HasField("draft_token_cost")
-        if step.finished:
-            feed.close()
-        else:
-            feed.put(lookahead(len(PROMPT) + len(got), want[len(got):len(got) + 6],
-                               [1.0 if sure else 0.0] * 6))
-    assert got == want[:n]
+    call = SessionCall(stub, opening(n))
+
+    def answer(steps):
+        done = sum(len(s.token_ids) for s in steps)
+        call.send(lookahead_message(len(PROMPT) + done, want[done:done + 6],
+                                    [1.0 if sure else 0.0] * 6))
+
+    steps = to_the_end(call, answer)
+    assert [t for s in steps for t in s.token_ids] == want[:n]
+    assert all(s.HasField("draft_token_cost") for s in steps)
     seen = lookahead_forwards(verifier)
     if sure:
         assert all(s.num_accepted == s.num_drafted for s in steps)
@@ -222,11 +228,12 @@ def test_lookaheads_are_cut_by_their_confidences(verifier, stub, target, sure):
 
 
 def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(verifier, stub, target):
-    """The first draft is right then wrong: round 0 accepts 1 and corrects the second; the
-    lookahead (that first draft) no longer continues the text, so no later round uses it."""
+    """The first draft is right then wrong: forward 0 accepts 1 and corrects the second; the
+    lookahead (that first draft) no longer continues the text, so no later forward uses
+    it."""
     want = reference_greedy(target, PROMPT, 8)
     wrong = (want[1] + 1) % target.vocab_size
-    steps = list(stub.Lookahead(iter([opening(8, first_draft=[want[0], wrong, 3])])))
+    steps = to_the_end(SessionCall(stub, opening(8, first_draft=[want[0], wrong, 3])))
     assert (steps[0].num_drafted, steps[0].num_accepted) == (3, 1)
     assert [s.num_drafted for s in steps[1:]] == [0] * (len(steps) - 1)
     assert [t for s in steps for t in s.token_ids] == want
@@ -236,74 +243,90 @@ def test_a_stale_lookahead_is_not_verified_and_output_is_unchanged(verifier, stu
 
 
 def test_a_lookahead_sent_early_serves_once_the_text_catches_up(stub, target):
-    """A lookahead of 8 right tokens from the prompt, sent with the open: whatever rounds ran
-    before it arrived, the later ones verify the part still ahead of the committed text."""
+    """A lookahead of 8 right tokens from the prompt, sent with the open: whatever forwards
+    ran before it arrived, the later ones verify the part still ahead of the committed
+    text."""
     want = reference_greedy(target, PROMPT, 12)
-    steps = list(stub.Lookahead(iter([opening(12, first_draft=want[:1]),
-                                      lookahead(len(PROMPT), want[:8])])))
+    steps = to_the_end(SessionCall(stub, opening(12, first_draft=want[:1]),
+                                   lookahead_message(len(PROMPT), want[:8])))
     assert [t for s in steps for t in s.token_ids] == want
     assert sum(s.num_drafted for s in steps[1:]) > 0
     assert all(s.num_accepted == s.num_drafted for s in steps)
 
 
-@pytest.mark.parametrize("messages, status", [
-    ([], grpc.StatusCode.INVALID_ARGUMENT),  # nothing at all
-    ([lookahead(len(PROMPT), [5])], grpc.StatusCode.INVALID_ARGUMENT),  # no open first
-    ([opening(40), opening(40)], grpc.StatusCode.INVALID_ARGUMENT),  # a second open
-    ([opening(40), lookahead(len(PROMPT) - 1, [5])], grpc.StatusCode.INVALID_ARGUMENT),
-    ([opening(40), lookahead(len(PROMPT) + 50, [5])], grpc.StatusCode.INVALID_ARGUMENT),
-    ([opening(40), lookahead(len(PROMPT), [10_000])], grpc.StatusCode.INVALID_ARGUMENT),
-    ([opening(40), lookahead(len(PROMPT), list(range(3, 12)))],  # 9 > max_draft_len 8
-     grpc.StatusCode.INVALID_ARGUMENT),
-])
-def test_bad_lookahead_streams_end_with_a_status_and_free_the_session(stub, target, messages,
-                                                                       status):
-    assert code_of(lambda: list(stub.Lookahead(iter(messages)))) == status
-    # Both session slots (max_sessions 2) free up again, and the server serves on.
+@pytest.mark.parametrize("messages, code, reason", [
+    ([], INVALID, errors.INVALID_ARGUMENT),  # nothing at all
+    ([lookahead_message(len(PROMPT), [5])], INVALID, errors.INVALID_ARGUMENT),  # no open
+    ([opening(40), opening(40)], PRECONDITION, errors.OUT_OF_ORDER),  # a second open
+    ([opening(40), verify_message(1, [5])], PRECONDITION, errors.OUT_OF_ORDER),
+    ([opening(40), decode_message(1, 4)], PRECONDITION, errors.OUT_OF_ORDER),
+    ([opening(40), lookahead_message(len(PROMPT) - 1, [5])], INVALID, errors.INVALID_ARGUMENT),
+    ([opening(40), lookahead_message(len(PROMPT) + 50, [5])], INVALID,
+     errors.INVALID_ARGUMENT),
+    ([opening(40), lookahead_message(len(PROMPT), [10_000])], INVALID,
+     errors.INVALID_ARGUMENT),
+    ([opening(40), lookahead_message(len(PROMPT), list(range(3, 12)))],  # 9 > max_draft_len
+     INVALID, errors.INVALID_ARGUMENT),
+], ids=["nothing", "no-open", "second-open", "verify", "decode", "base-low", "base-high",
+        "token", "too-long"])
+def test_bad_lookahead_streams_end_with_a_status_and_free_the_session(verifier, stub, target,
+                                                                       messages, code, reason):
+    err = stream_error(stub, *messages, half_close=not messages)
+    assert (err.code, err.reason) == (code, reason)
+    if reason == errors.INVALID_ARGUMENT and messages and messages[0].HasField("open"):
+        assert err.metadata["field"].startswith("lookahead.")
+    deadline = time.monotonic() + 5
+    while live_sessions(verifier):  # closed after the forward it may have had in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # Both session slots (max_sessions 2) are free, and the server serves on.
     want = reference_greedy(target, PROMPT, 4)
-    for _ in range(10):
-        try:
-            outs = [list(stub.Lookahead(iter([opening(4)]))) for _ in range(2)]
-            break
-        except grpc.RpcError as err:  # the failed stream's session closes asynchronously
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            time.sleep(0.1)
+    calls = [SessionCall(stub, opening(4)) for _ in range(2)]
+    outs = [to_the_end(call) for call in calls]
     assert all([t for s in out for t in s.token_ids] == want for out in outs)
 
 
-def test_cancelling_the_stream_closes_the_session(stub, target):
-    feed = Feed(opening(0))  # 0: until the context is full
-    call = stub.Lookahead(iter(feed))
-    next(call), next(call)
+def test_half_closing_stops_the_generation_and_closes_the_session(verifier, stub):
+    """A half-close before the finish is how a lookahead client stops early: the stream ends
+    OK, and the session is closed by then."""
+    call = SessionCall(stub, opening(0))  # 0: until the context is full
+    steps = [call.step() for _ in range(3)]
+    call.close()
+    rest = call.rest()
+    assert call.call.code() == grpc.StatusCode.OK
+    assert not any(r.step.finished for r in rest) and len(steps) + len(rest) < 100
+    assert live_sessions(verifier) == 0
+    assert verifier.server.metrics.active_sessions._value.get() == 0
+
+
+def test_cancelling_the_stream_closes_the_session(verifier, stub, target):
+    call = SessionCall(stub, opening(0))
+    call.step(), call.step()
+    assert live_sessions(verifier) == 1
     call.cancel()
-    feed.close()
-    stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT))  # the free slot
     deadline = time.monotonic() + 5
-    while True:  # the other slot frees up once the cancelled session has closed
-        try:
-            stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT))
-            break
-        except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert time.monotonic() < deadline, "the cancelled stream's session stayed open"
-            time.sleep(0.05)
+    while live_sessions(verifier):
+        assert time.monotonic() < deadline, "the cancelled stream's session stayed open"
+        time.sleep(0.02)
+    # Both slots are free again.
+    calls = [SessionCall(stub, opening(2)) for _ in range(2)]
+    assert all(len(to_the_end(c)) >= 1 for c in calls)
 
 
 def test_the_stream_outlives_its_last_step_until_the_client_ends_it(stub, target):
-    """A late lookahead (written as the last step goes out) meets an RPC that is still open:
-    the server ends it only when the client half-closes."""
+    """A late lookahead (written as the last step goes out) meets an RPC that is still open
+    and is ignored: the server ends the stream only when the client half-closes."""
     want = reference_greedy(target, PROMPT, 3)
-    feed = Feed(opening(3))
-    call = stub.Lookahead(iter(feed))
+    call = SessionCall(stub, opening(3))
     got = []
-    while not (step := next(call)).finished:
+    while not (step := call.step()).finished:
         got += step.token_ids
     got += step.token_ids
-    feed.put(lookahead(len(PROMPT) + len(got), [5, 6]))  # late
+    call.send(lookahead_message(len(PROMPT) + len(got), [5, 6]))  # late
     time.sleep(0.3)
-    assert not call.done()
-    feed.close()
-    assert list(call) == [] and call.code() == grpc.StatusCode.OK and got == want
+    assert not call.call.done()
+    call.close()
+    assert call.rest() == [] and call.call.code() == grpc.StatusCode.OK and got == want
 
 
 def test_grpc_aio_clients_writing_to_the_end_get_every_step(verifier, target):
@@ -315,20 +338,20 @@ def test_grpc_aio_clients_writing_to_the_end_get_every_step(verifier, target):
     want = reference_greedy(target, PROMPT, 4)
 
     async def one(stub) -> list[int]:
-        call = stub.Lookahead()
+        call = stub.Session()
         await call.write(opening(4))
         got: list[int] = []
-        while (step := await call.read()) is not grpc.aio.EOF:
-            got += step.token_ids
-            await call.write(lookahead(len(PROMPT) + len(got), [5, 6]))
-            if step.finished:
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            got += reply.step.token_ids
+            await call.write(lookahead_message(len(PROMPT) + len(got), [5, 6]))
+            if reply.step.finished:
                 await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
         return got
 
     async def main() -> list[list[int]]:
         async with grpc.aio.insecure_channel(verifier.address) as channel:
-            stub = pb_grpc.VerifierStub(channel)
+            stub = pb_grpc.VerifierServiceStub(channel)
             return [await one(stub) for _ in range(12)]
 
     assert asyncio.run(main()) == [want] * 12

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import torch
+from stream_helpers import SessionCall, open_message, verify_message
 
 from cloud_verifier import torch_thread
 from cloud_verifier.config import VerifierConfig, key_digest
@@ -155,20 +156,19 @@ def generate(stub, prompt: list[int], n: int, sampling=GREEDY, metadata=None) ->
     replies = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n,
                                                ignore_eos=True, sampling=sampling),
                             metadata=metadata)
-    return [t for r in replies for t in r.token_ids]
+    return [t for r in replies for t in r.step.token_ids]
 
 
 def speculate(stub, prompt: list[int], drafts: list[list[int]], sampling=GREEDY) -> list[int]:
-    """A session of Verify rounds with point-mass drafts; returns what it committed."""
-    opened = stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=prompt, sampling=sampling,
-                                                    ignore_eos=True))
-    out = []
-    for round_no, tokens in enumerate(drafts):
-        result = stub.Verify(pb.VerifyRequest(
-            session_id=opened.session_id, round=round_no,
-            draft=pb.Draft(token_ids=tokens)), timeout=30).result
-        out += tokens[:result.num_accepted] + [result.next_token]
-    stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id))
+    """A rounds session with point-mass drafts (the first in the open), ended by a
+    half-close; returns what it committed."""
+    call = SessionCall(stub, open_message(prompt, first=drafts[0], sampling=sampling),
+                       timeout=30)
+    out = list(call.step().token_ids)
+    for round_no, tokens in enumerate(drafts[1:], start=1):
+        out += call.send(verify_message(round_no, tokens)).step().token_ids
+    call.close()
+    assert call.rest() == []
     return out
 
 
@@ -198,7 +198,7 @@ def test_reuse_changes_no_output_and_skips_the_shared_prefix(target):
                                 prefix_cache_bytes=int(mb * 2**20))
         with EmbeddedVerifier(target, config) as server, \
                 grpc.insecure_channel(server.address) as channel:
-            outputs = typing_sessions(pb_grpc.VerifierStub(channel))
+            outputs = typing_sessions(pb_grpc.VerifierServiceStub(channel))
             results[mb] = (outputs, metric(server, "edgespec_batch_tokens_sum"),
                            metric(server, "edgespec_prefix_cache_hits_total"),
                            metric(server, "edgespec_prefix_cache_queries_total"))
@@ -219,7 +219,7 @@ def test_prefixes_are_kept_per_api_key(target):
     prompt = [1, 17, 42, 5, 63, 8, 9, 30]
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
+        stub = pb_grpc.VerifierServiceStub(channel)
         generate(stub, prompt, 4, metadata=alice)
         generate(stub, prompt + [3], 4, metadata=bob)
         assert metric(server, "edgespec_prefix_cache_hits_total") == 0
@@ -235,24 +235,25 @@ def test_kept_prefixes_go_before_any_idle_session_under_the_kv_budget(target):
     config = VerifierConfig(port=0, max_sessions=8, kv_budget_bytes=budget)
     with EmbeddedVerifier(target, config) as server, \
             grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
-        idle = stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=[1, 2, 3],
-                                                      first_draft=pb.Draft(), ignore_eos=True))
+        stub = pb_grpc.VerifierServiceStub(channel)
+        idle = SessionCall(stub, open_message([1, 2, 3], first=[]))
+        idle.step()
         for first in (4, 5, 6):
             generate(stub, [first, 7, 8], 2)
         service = server.server.service
         assert len(service.prefix_cache) == 3
         assert service.engine.kv.bytes_in_use == budget
         generate(stub, [9, 9, 9], 2)  # needs a buffer: a kept prefix makes way
-        result = stub.Verify(pb.VerifyRequest(session_id=idle.session_id, round=1)).result
-        assert result.committed_length == 5  # the idle session was not evicted
+        step = idle.send(verify_message(1)).step()
+        assert step.committed_length == 5  # the idle session was not evicted
+        idle.cancel()
         assert metric(server, "edgespec_session_evictions_total", {"reason": "kv_budget"}) == 0
         assert len(service.prefix_cache) == 3  # one made way, the new session's came back
         assert service.engine.kv.bytes_in_use <= budget
 
 
 def test_the_benchmark_runs_and_finds_the_outputs_equal(target, tiny_llama_pair, capsys):
-    from cloud_verifier import bench_prefix_cache
+    from cloud_verifier.bench import prefix_cache as bench_prefix_cache
 
     assert bench_prefix_cache.main(["--model", str(tiny_llama_pair.target_dir), "--contexts",
                                     "8", "40", "--repeats", "2"]) == 0

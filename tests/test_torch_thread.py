@@ -56,7 +56,7 @@ def test_the_servers_forwards_run_on_the_torch_thread(target):
 
         engine._forward = recording_forward
         with grpc.insecure_channel(server.address) as channel:
-            stub = pb_grpc.VerifierStub(channel)
+            stub = pb_grpc.VerifierServiceStub(channel)
             for _ in range(2):  # the second request restores the first one's prefix
                 list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 5, 9, 11, 13],
                                                       max_new_tokens=4, ignore_eos=True)))

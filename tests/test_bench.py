@@ -1,4 +1,4 @@
-"""``edgespec-bench edge`` on the tiny pair: every case reproduces the target, and case (b)
+"""``edgespec-bench e2e`` on the tiny pair: every case reproduces the target, and case (b)
 is skipped, not faked, when the draft has no PyTorch copy."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ def run(tmp_path, pair, *extra: str) -> dict:
     from edge_client.bench.cli import main
 
     out = tmp_path / "bench.json"
-    rc = main(["edge", "--json", str(out), "--target", str(pair.target_dir), "--draft-dir",
+    rc = main(["e2e", "--json", str(out), "--model", str(pair.target_dir), "--draft-dir",
                str(pair.draft_dir), "--prompts", "2", "--max-new-tokens", "6",
                "--draft-len", "3", "--rtt-ms", "10", *extra])
     assert rc == 0

@@ -15,7 +15,7 @@ def run(tmp_path, target_dir, draft_dir, name: str) -> dict:
     from edge_client.bench.cli import main
 
     out = tmp_path / f"{name}.json"
-    rc = main(["acceptance", "--json", str(out), "--target", str(target_dir),
+    rc = main(["acceptance", "--json", str(out), "--model", str(target_dir),
                "--draft-dir", str(draft_dir), "--prompts", "2", "--max-new-tokens",
                str(MAX_NEW), "--draft-len", str(K), "--threads", "1"])
     assert rc == 0

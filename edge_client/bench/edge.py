@@ -1,4 +1,4 @@
-"""``edgespec-bench edge``: the same prompts through six decoders, side by side in one run.
+"""``edgespec-bench e2e``: the same prompts through six decoders, side by side in one run.
 
 (a) the target alone, transformers greedy ``generate``;
 (b) transformers assisted generation (``assistant_model``) with the same draft weights in
@@ -104,7 +104,7 @@ def _hf_case(name: str, target, prompts: list[list[int]], new_tokens: int, count
 
 def _edgespec_case(name: str, address: str, draft_dir: Path, prompts: list[list[int]],
                    new_tokens: int, draft_len: int, rtt_ms: float, counter,
-                   protocol: str = "stream") -> CaseResult:
+                   protocol: str = "rounds") -> CaseResult:
     from edge_client.client import EdgeClient, GenerationConfig
 
     result = CaseResult(name, round_trips=0, accepted=0, drafted=0, bytes_total=0)

@@ -1,4 +1,4 @@
-"""Which part of a Lookahead stream's latest draft the next forward verifies.
+"""Which part of a lookahead session's latest draft the next forward verifies.
 
 A lookahead d_1..d_m was drafted after the first ``base`` committed tokens. By the time a
 forward runs, the server may have committed more tokens since (it does not wait for drafts).

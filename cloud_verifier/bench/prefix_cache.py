@@ -40,13 +40,13 @@ def generate(stub, prompt: list[int]) -> tuple[float, list[int]]:
                                                   ignore_eos=True)):
         if first is None:
             first = (time.perf_counter() - t0) * 1000
-        tokens += reply.token_ids
+        tokens += reply.step.token_ids
     return first, tokens
 
 
 def follow_up_ttft(address: str, history: list[int], turn: list[int]) -> tuple[float, list[int]]:
     with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.VerifierStub(channel)
+        stub = pb_grpc.VerifierServiceStub(channel)
         _, answer = generate(stub, history)
         return generate(stub, history + answer + turn)
 

@@ -40,10 +40,10 @@ from edge_client.generation_state import (
     NO_DRAFTS,
     GenerationState,
     ProtocolError,
-    ends_decode,
 )
 from edge_client.link import until
 from edge_client.rate_chooser import CONTINUE, SPEC
+from shared.decode_rule import ends_decode
 from shared.errors import ErrorDetails, details_of
 from shared.pb import verifier_pb2 as pb
 
@@ -123,7 +123,14 @@ class _Wire:
         size = message.ByteSize()
         self._count(round_trip, size, 0)
         await self.conn.link.send(size)
-        await call.write(message)
+        try:
+            await call.write(message)
+        except asyncio.InvalidStateError:
+            # The verifier ended the stream first (an eviction while we drafted, a drain):
+            # reading raises its status.
+            await call.read()
+            raise ProtocolError("the verifier ended the stream before the generation "
+                                "finished") from None
 
     async def read(self, call):
         """The next message and when the device has it; None at the stream's end."""
@@ -244,7 +251,7 @@ async def _rounds(wire: _Wire, state: GenerationState,
             if state.wants_decode():
                 message = state.decode_message()
                 await wire.write(call, message, round_trip=True)
-                for _ in range(message.decode.max_tokens):
+                while True:
                     reply, at = await wire.read(call)
                     step = _step_of(reply)
                     await until(at)

@@ -79,13 +79,6 @@ def draft_to_pb(proposal: Proposal, confidence: bool = True) -> pb.Draft:
 NO_DRAFTS = Proposal([], None)
 
 
-def ends_decode(request: pb.Decode, step: pb.Step) -> bool:
-    """Whether ``step`` is the last of a Decode: the generation finished, or the client asked
-    to stop once drafting pays and the server now suggests drafts (the verifier applies the
-    same rule; a Decode also ends after ``max_tokens`` steps)."""
-    return step.finished or (request.stop_when_drafting_pays and step.suggested_draft_len > 0)
-
-
 class GenerationState:
     """The committed tokens of one generation and the protocol state around them."""
 

@@ -178,8 +178,8 @@ def test_a_generation_longer_than_the_stream_deadline_reopens_and_finishes(
     """A stream's gRPC deadline bounds the stream, not the generation: past it the client
     reopens with its committed context, and the output is unchanged."""
     want = hf_greedy(target, PROMPT, 40)
-    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol="lookahead",
-                    rtt_ms=40, deadlines=Deadlines(stream_s=0.5)) as c:
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, protocol="rounds",
+                    rtt_ms=40, deadlines=Deadlines(stream_s=0.3)) as c:
         gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=40, ignore_eos=True))
         list(gen)
     assert gen.token_ids == want
@@ -320,7 +320,7 @@ def test_sampled_output_follows_the_target_distribution(client, target):
     worst = np.max(np.abs(counts - expected) - bound)
     assert worst <= 0, f"a bin is off by {worst:.1f} beyond its bound"
     # The test has power: had the output followed the draft's own law, it would fail.
-    draft_joint = _draft_joint(client.model, PROMPT, temperature=1.0, top_k=6)
+    draft_joint = _draft_joint(client._async.model, PROMPT, temperature=1.0, top_k=6)
     assert np.max(np.abs(n * draft_joint - expected) - bound) > 0
 
 

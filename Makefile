@@ -32,7 +32,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 bench: prepare
-	$(BIN)/edge-client bench --json bench-results/bench.json
+	$(BIN)/edgespec-bench e2e --json bench-results/bench.json
 
 proto: setup
 	$(BIN)/python proto/generate.py

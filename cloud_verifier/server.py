@@ -73,7 +73,12 @@ class VerifierServer:
         server = grpc.aio.server(
             interceptors=interceptors(self.config.api_key_digests, self.metrics),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     # Clients ping every 10 s to notice a dead peer (edge_client.connection);
+                     # gRPC's default policy would answer such pings on a quiet stream with
+                     # GOAWAY, cutting every session on the connection.
+                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                     ("grpc.http2.max_ping_strikes", 0)])
         pb_grpc.add_VerifierServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -179,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="rounds waiting for the model beyond which RESOURCE_EXHAUSTED is sent")
     p.add_argument("--verify-token-cost", type=float, default=DEFAULT_TOKEN_COST,
                    help="cost of a verified token relative to a forward's fixed cost, for the "
-                        "suggested draft length (python -m cloud_verifier.bench_verify_cost); "
+                        "suggested draft length (python -m cloud_verifier.bench.verify_cost); "
                         "the prior of the online fit unless --fixed-verify-cost")
     p.add_argument("--verify-session-cost", type=float, default=DEFAULT_SESSION_COST,
                    help="cost of one more session in a forward, relative to its fixed cost")

@@ -23,6 +23,7 @@ from edge_client.connection import Deadlines
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
 from edge_client.errors import IncompatibleVerifier
+from edge_client.link import Link
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 
 PROMPT = [1, 17, 42, 5, 63, 8]
@@ -378,3 +379,37 @@ def test_cli_version_and_help_need_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+class StallingLink(Link):
+    """Holds the ``stall_at``-th message on the uplink for ``stall_s``: the device goes quiet
+    for longer than the verifier's session TTL."""
+
+    def __init__(self, stall_at: int, stall_s: float) -> None:
+        self.sent, self.stall_at, self.stall_s = 0, stall_at, stall_s
+
+    async def send(self, nbytes: int) -> None:
+        self.sent += 1
+        if self.sent == self.stall_at:
+            await asyncio.sleep(self.stall_s)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "sampled"])
+def test_a_session_expired_while_the_device_was_quiet_reopens_unchanged(
+        target, tiny_llama_pair, seeded):
+    """The verifier expires the idle session (TTL 0.4 s) while the device holds its 3rd round
+    for 1.5 s; the round is answered NOT_FOUND / SESSION_EXPIRED, the client reopens with
+    its committed context and that same round, and the output equals an undisturbed run."""
+    config = GenerationConfig(max_new_tokens=30, draft_len=3, ignore_eos=True,
+                              temperature=0.9 if seeded else 0.0, seed=3)
+    with EmbeddedVerifier(target, VerifierConfig(port=0, session_ttl_s=0.4)) as v:
+        with EdgeClient(v.address, tiny_llama_pair.draft_dir) as c:
+            want = c.generate(PROMPT, config)
+            list(want)
+        with EdgeClient(v.address, tiny_llama_pair.draft_dir,
+                        link=StallingLink(stall_at=3, stall_s=1.5)) as c:
+            gen = c.generate(PROMPT, config)
+            list(gen)
+        expired = v.server.metrics.evictions.labels("ttl")._value.get()
+    assert gen.token_ids == want.token_ids
+    assert gen.stats.reopens == 1 and expired >= 1

@@ -1,25 +1,35 @@
-"""``edgespec-bench acceptance`` on the tiny pair: the report's fields and ranges, and one
-exact case, a draft that is the target itself."""
+"""``edgespec-bench acceptance`` on the tiny pair: the report's fields and ranges (the realistic
+eval set by category, reported first, and the held-out split under the original keys), and one
+exact case, a draft that is the target itself.
+
+The tiny tokenizer is a WordLevel over t3..t95, so the eval set's English encodes to <unk>
+ids; what these tests check is the report's structure and ranges, not the figures."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
 
 K = 4
 MAX_NEW = 12
+HELDOUT = 2
 
 
-def run(tmp_path, target_dir, draft_dir, name: str) -> dict:
+def run(tmp_path, target_dir, draft_dir, name: str, *extra: str) -> tuple[dict, str]:
     from edge_client.bench.cli import main
 
     out = tmp_path / f"{name}.json"
-    rc = main(["acceptance", "--json", str(out), "--model", str(target_dir),
-               "--draft-dir", str(draft_dir), "--prompts", "2", "--max-new-tokens",
-               str(MAX_NEW), "--draft-len", str(K), "--threads", "1"])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["acceptance", "--json", str(out), "--model", str(target_dir),
+                   "--draft-dir", str(draft_dir), "--prompts", "1", "--heldout-prompts",
+                   str(HELDOUT), "--max-new-tokens", str(MAX_NEW), "--draft-len", str(K),
+                   "--threads", "1", *extra])
     assert rc == 0
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), printed.getvalue()
 
 
 def in_unit(x) -> bool:
@@ -27,14 +37,102 @@ def in_unit(x) -> bool:
 
 
 @pytest.fixture(scope="module")
-def report(tiny_llama_pair, tmp_path_factory):
+def pair_run(tiny_llama_pair, tmp_path_factory):
     return run(tmp_path_factory.mktemp("bench"), tiny_llama_pair.target_dir,
                tiny_llama_pair.draft_dir, "pair")
 
 
+@pytest.fixture(scope="module")
+def report(pair_run):
+    return pair_run[0]
+
+
+def test_realistic_comes_first(pair_run):
+    report, printed = pair_run
+    assert report["config"]["sets"] == ["realistic", "heldout"]
+    keys = list(report)
+    assert keys.index("realistic") < keys.index("drafters")
+    assert 0 <= printed.index("realistic set:") < printed.index("held-out split")
+    assert "**overall**" in printed
+
+
+def check_headline(h: dict, prompts: int) -> None:
+    assert h["prompts"] == prompts and 0 <= h["prompts_truncated"] <= prompts
+    assert h["path_tokens"] == h["detail"]["path_tokens"] > 0
+    assert set(h["drafters"]) == {"model", "ngram", "combined"}
+    for name, m in h["drafters"].items():
+        d = h["detail"]["drafters"][name]
+        assert in_unit(m["greedy_alpha"]) and in_unit(m["sampled_alpha"]), name
+        assert m["greedy_alpha"] == d["greedy"]["alpha"]
+        assert m["greedy_judged"] == d["greedy"]["judged"]
+        assert m["sampled_alpha"] == d["sampled"]["alpha"]
+        tpr = m["tokens_per_round_k4"]
+        assert tpr == d["greedy_tokens_per_round_by_k"]["4"]
+        assert 1 <= tpr <= 5
+        assert m["target_forwards_per_token_k4"] == pytest.approx(1 / tpr)
+        assert 1 / 5 <= m["target_forwards_per_token_k4"] <= 1
+        full = m["tokens_per_full_round_k4"]
+        assert full is None or 1 <= full <= 5
+    assert in_unit(h["expected_sampled_alpha"]) and in_unit(h["greedy_top1_agreement"])
+
+
+def test_realistic_by_category(report):
+    from edge_client.bench.eval_set import CATEGORIES
+
+    r = report["realistic"]
+    assert r["source"] == "edge_client/bench/eval_prompts"
+    assert r["per_category_limit"] == 1 and r["headline_k"] == 4
+    assert list(r["categories"]) == list(CATEGORIES)  # one prompt of each, in order
+    assert r["prompts"] == r["overall"]["prompts"] == len(CATEGORIES)
+    for h in r["categories"].values():
+        check_headline(h, 1)
+    check_headline(r["overall"], len(CATEGORIES))
+    # Overall pools the categories' counts.
+    cats, overall = r["categories"].values(), r["overall"]
+    assert overall["path_tokens"] == sum(h["path_tokens"] for h in cats)
+    for name in overall["drafters"]:
+        for mode in ("greedy", "sampled"):
+            parts = [h["detail"]["drafters"][name][mode] for h in cats]
+            pooled = overall["detail"]["drafters"][name][mode]
+            for key in ("accepted", "judged", "rounds", "new_tokens"):
+                assert pooled[key] == sum(p[key] for p in parts), (name, mode, key)
+            if pooled["judged"]:
+                assert pooled["alpha"] == pytest.approx(pooled["accepted"] / pooled["judged"])
+        # Greedy through the verifier's engine reproduces the target's own greedy path.
+        assert overall["detail"]["drafters"][name]["greedy"]["identical_to_target"] == 8
+
+
+def test_eval_prompts_are_rendered_by_shape():
+    """One-turn and multi-turn prompts go through the chat template over all their turns,
+    IME prefixes are encoded raw; prompts are cut from the left to fit."""
+    from edge_client.bench.acceptance_sets import encode_eval
+    from edge_client.bench.eval_set import EvalPrompt
+
+    class Recording:
+        def apply_chat_template(self, messages):
+            return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    prompts = [
+        EvalPrompt("a", "advice", (("user", "hi"),)),
+        EvalPrompt("m", "multiturn", (("user", "q1"), ("assistant", "a1"), ("user", "q2"))),
+        EvalPrompt("i", "ime", raw="see you at th"),
+    ]
+    out = encode_eval(Recording(), prompts, max_len=40)
+    text = ["".join(map(chr, p.ids)) for p in out]
+    assert text == ["<user>hi<assistant>", "<user>q1<assistant>a1<user>q2<assistant>",
+                    "see you at th"]
+    assert [p.category for p in out] == ["advice", "multiturn", "ime"]
+    assert not any(p.truncated for p in out)
+    cut = encode_eval(Recording(), prompts[1:2], max_len=13)[0]
+    assert cut.truncated and "".join(map(chr, cut.ids)) == "q2<assistant>"
+
+
 def test_report_fields_and_ranges(report):
     c = report["config"]
-    assert c["prompts"] == 2 and c["draft_len"] == K and c["max_new_tokens"] == MAX_NEW
+    assert c["prompts"] == HELDOUT and c["draft_len"] == K and c["max_new_tokens"] == MAX_NEW
     assert c["prompt_source"]
     assert set(report["drafters"]) == {"model", "ngram", "combined"}
     for name, d in report["drafters"].items():
@@ -50,7 +148,7 @@ def test_report_fields_and_ranges(report):
             assert sum(judged) == m["judged"]
             assert all(in_unit(p["alpha"]) for p in positions)
         # Greedy through the verifier's engine reproduces the target's own greedy path.
-        assert d["greedy"]["identical_to_target"] == 2
+        assert d["greedy"]["identical_to_target"] == HELDOUT
         by_k = d["greedy_tokens_per_round_by_k"]
         assert list(by_k) == [str(k) for k in range(1, 9)]
         assert all(1 <= by_k[str(k)] <= k + 1 for k in range(1, 9))
@@ -74,7 +172,16 @@ def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path
     from edge_client.tools.export_draft import export_onnx
 
     self_draft = export_onnx(tiny_llama_pair.target_dir, tmp_path / "self_onnx")
-    report = run(tmp_path, tiny_llama_pair.target_dir, self_draft, "self")
+    # Sets named in the other order: the report still puts realistic first.
+    report, printed = run(tmp_path, tiny_llama_pair.target_dir, self_draft, "self",
+                          "--sets", "heldout", "realistic")
+    assert printed.index("realistic set:") < printed.index("held-out split")
+    for h in [*report["realistic"]["categories"].values(), report["realistic"]["overall"]]:
+        m = h["drafters"]["model"]
+        assert m["greedy_alpha"] == 1.0
+        # Every round accepts all K drafts, or ends the path: at most one round per 5 tokens
+        # plus one cut round per prompt.
+        assert m["target_forwards_per_token_k4"] <= (1 / 5 + h["prompts"] / h["path_tokens"])
     greedy = report["drafters"]["model"]["greedy"]
     # ONNX and PyTorch differ by float noise only, which moves no argmax here.
     assert greedy["alpha"] == 1.0

@@ -3,7 +3,10 @@
 Everything runs in one process, without gRPC: the target in PyTorch behind the verifier's own
 ``VerifierEngine`` and ``SessionStore`` (the same math and cache rollback as the server), the
 draft through onnxruntime inside the edge's own drafters (``make_drafter``: model, ngram,
-combined). On the held-out prompts it reports, per drafter:
+combined). It runs two prompt sets (``acceptance_sets``), realistic first: ``realistic``, the
+hand-written eval set that no training data is drawn from (``edge_client.bench.eval_set``), by
+category and overall, and ``heldout``, the distillation's templated held-out split, kept for
+continuity under the report's original top-level keys. On each set it reports, per drafter:
 
 - alpha, the per-token acceptance: accepted / judged drafts, where a round judges its drafts up
   to and including the first rejection (drafts after it are never looked at), greedy and at
@@ -23,6 +26,12 @@ machine), and KL(p || q) and TV(p, q) between the target's and the draft's next-
 distributions along the target's greedy path (raw softmax; TV also under the sampling settings
 above, where 1 - TV is the expected acceptance of one draft token).
 
+For the realistic set, each category's and the overall headline (``acceptance_sets.headline``)
+are greedy alpha, alpha at T = 0.7, greedy tokens per round at K = 4, and target forwards per
+token at K = 4: each round costs the target one verification forward (the prompt's prefill
+aside), so forwards per committed token = rounds / tokens committed = 1 / tokens per round
+(1.0 without a draft). Overall figures pool the counts of all prompts (not category means).
+
 An offline tool: it imports torch.
 """
 
@@ -41,6 +50,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.bench.acceptance_sets import (
+    BenchPrompt,
+    encode_eval,
+    encode_prompts,
+    format_report,
+    load_heldout_prompts,
+    load_realistic,
+    ordered_sets,
+    realistic_report,
+)
+
 log = logging.getLogger(__name__)
 
 SAMPLED_TEMPERATURE = 0.7
@@ -48,12 +68,7 @@ SAMPLED_TOP_P = 0.95
 MAX_SUPPORT = 64  # the client's default cap on q's support
 REPLAY_KS = tuple(range(1, 9))
 DRAFTERS = ("model", "ngram", "combined")
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    ids: list[int]
-    truncated: bool  # cut from the left to fit the context
+MODES = ("greedy", "sampled")
 
 
 @dataclass
@@ -86,6 +101,18 @@ class Tally:
             self.judged_at[i] += 1
             self.accepted_at[i] += i < accepted
 
+    def __iadd__(self, other: Tally) -> Tally:
+        self.rounds += other.rounds
+        self.new_tokens += other.new_tokens
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.empty_rounds += other.empty_rounds
+        self.propose_s += other.propose_s
+        self.judged_at = [a + b for a, b in zip(self.judged_at, other.judged_at, strict=True)]
+        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at,
+                                                  strict=True)]
+        return self
+
     def summary(self) -> dict:
         judged = sum(self.judged_at)
         return {
@@ -98,7 +125,8 @@ class Tally:
             "rounds_without_proposal": self.empty_rounds,
             "new_tokens": self.new_tokens,
             "tokens_per_round": _ratio(self.new_tokens, self.rounds),
-            "propose_ms_median": 1e3 * statistics.median(self.propose_s),
+            "propose_ms_median": (1e3 * statistics.median(self.propose_s)
+                                  if self.propose_s else None),
             "by_position": [
                 {"position": i + 1, "judged": j, "accepted": a, "alpha": _ratio(a, j)}
                 for i, (j, a) in enumerate(zip(self.judged_at, self.accepted_at, strict=True))],
@@ -109,42 +137,8 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-# --------------------------------------------------------------------------------------------
-# Prompts
-# --------------------------------------------------------------------------------------------
-
-
-def load_heldout_prompts(limit: int | None) -> tuple[list[tuple[str, bool, str]], str]:
-    """(text, chat, kind) triples and where they came from: the distillation's held-out split
-    when that module exists, the project's built-in chat prompts otherwise.
-
-    A limit takes evenly spaced prompts rather than the first ones, because the split lists
-    its prompts grouped by kind and topic.
-    """
-    try:
-        from edge_client.tools.distill.prompts import prompt_split
-    except ImportError:
-        from shared.prompts import CHAT_PROMPTS
-
-        prompts = [(text, True, "chat") for text in CHAT_PROMPTS]
-        source = "shared.prompts.CHAT_PROMPTS"
-    else:
-        prompts = [(p.text, bool(p.chat), p.kind) for p in prompt_split("heldout")]
-        source = "edge_client.tools.distill.prompts.prompt_split('heldout')"
-    if limit is not None and limit < len(prompts):
-        prompts = [prompts[i * len(prompts) // limit] for i in range(limit)]
-    return prompts, source
-
-
-def encode_prompts(tokenizer, prompts: list[tuple[str, bool, str]],
-                   max_len: int) -> list[BenchPrompt]:
-    out = []
-    for text, chat, _ in prompts:
-        ids = tokenizer.encode_chat(text) if chat else tokenizer.encode(text)
-        if not ids:
-            raise ValueError(f"prompt {text[:40]!r} encodes to no tokens")
-        out.append(BenchPrompt(ids[-max_len:], len(ids) > max_len))
-    return out
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,62 +329,129 @@ def replay_greedy_rounds(drafter, prompt: list[int], path: list[int], k: int,
 # --------------------------------------------------------------------------------------------
 
 
-def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens: int,
-            draft_len: int, threads: int | None = None) -> dict:
-    from cloud_verifier.engine import VerifierEngine
-    from cloud_verifier.sampling import SamplingParams
-    from cloud_verifier.sessions import SessionStore
-    from edge_client.combined_drafter import CombinedDrafter, make_drafter
-    from edge_client.draft_model import OnnxDraftModel
-    from edge_client.drafter import DraftSampling
-    from edge_client.ngram_drafter import NgramDrafter
+class Accumulator:
+    """The benchmark's counts over a group of prompts; ``+=`` pools two groups."""
 
-    model = OnnxDraftModel(draft_dir, intra_op_threads=threads)
-    if model.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft outputs {model.vocab_size} logits, the target "
-                         f"{target.vocab_size}")
-    engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
-    store = SessionStore(max_sessions=2 * len(DRAFTERS), ttl_s=3600.0)
-    stop_ids = frozenset(target.eos_token_ids)
-    greedy_sampling = DraftSampling()
-    sampled = DraftSampling(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P, MAX_SUPPORT)
+    def __init__(self, draft_len: int) -> None:
+        self.tallies = {(d, mode): Tally(draft_len) for d in DRAFTERS for mode in MODES}
+        self.replay = {(d, k): ReplayCount() for d in DRAFTERS for k in REPLAY_KS}
+        self.identical = dict.fromkeys(DRAFTERS, 0)
+        self.ngram_rounds = dict.fromkeys(MODES, 0)
+        self.dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [], "agree": []}
+        self.draft_steps: list[float] = []
+        self.target_steps: list[float] = []
+        self.path_tokens = 0
 
-    tallies = {(d, mode): Tally(draft_len) for d in DRAFTERS for mode in ("greedy", "sampled")}
-    replay = {(d, k): ReplayCount() for d in DRAFTERS for k in REPLAY_KS}
-    identical = dict.fromkeys(DRAFTERS, 0)
-    ngram_rounds = {"greedy": 0, "sampled": 0}
-    dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [], "agree": []}
-    draft_steps: list[float] = []
-    target_steps: list[float] = []
-    path_tokens = 0
+    def __iadd__(self, other: Accumulator) -> Accumulator:
+        for key, tally in other.tallies.items():
+            self.tallies[key] += tally
+        for key, count in other.replay.items():
+            self.replay[key] += count
+        for kind in DRAFTERS:
+            self.identical[kind] += other.identical[kind]
+        for mode in MODES:
+            self.ngram_rounds[mode] += other.ngram_rounds[mode]
+        for key, values in other.dist.items():
+            self.dist[key] += values
+        self.draft_steps += other.draft_steps
+        self.target_steps += other.target_steps
+        self.path_tokens += other.path_tokens
+        return self
 
-    for index, prompt in enumerate(prompts):
-        ids = prompt.ids
-        log.info("prompt %d/%d (%d tokens)", index + 1, len(prompts), len(ids))
-        path, target_logits, steps = target_greedy_path(target, ids, max_new_tokens, stop_ids)
-        target_steps += steps
-        path_tokens += len(path)
-        draft_logits, steps = draft_trace(model, ids, path)
-        draft_steps += steps
+    def summary(self) -> dict:
+        drafters = {}
+        for kind in DRAFTERS:
+            entry = {mode: self.tallies[kind, mode].summary() for mode in MODES}
+            entry["greedy"]["identical_to_target"] = self.identical[kind]
+            entry["greedy_tokens_per_round_by_k"] = {
+                str(k): _ratio(self.path_tokens, self.replay[kind, k].rounds) for k in REPLAY_KS}
+            entry["greedy_tokens_per_full_round_by_k"] = {
+                str(k): _ratio(self.replay[kind, k].full_tokens, self.replay[kind, k].full_rounds)
+                for k in REPLAY_KS}
+            if kind == "combined":
+                for mode in MODES:
+                    entry[mode]["ngram_round_share"] = _ratio(self.ngram_rounds[mode],
+                                                              self.tallies[kind, mode].rounds)
+            drafters[kind] = entry
+
+        draft_ms = 1e3 * statistics.median(self.draft_steps) if self.draft_steps else None
+        target_ms = 1e3 * statistics.median(self.target_steps) if self.target_steps else None
+        tv_sampled = _mean(self.dist["tv_sampled"])
+        return {
+            "drafters": drafters,
+            "latency": {
+                "draft_step_ms_median": draft_ms,
+                "target_step_ms_median": target_ms,
+                "draft_over_target": (draft_ms / target_ms) if draft_ms and target_ms else None,
+                "draft_steps": len(self.draft_steps),
+                "target_steps": len(self.target_steps),
+            },
+            "model_vs_target": {
+                "positions": len(self.dist["kl"]),
+                "kl_target_draft_mean": _mean(self.dist["kl"]),
+                "tv_mean": _mean(self.dist["tv"]),
+                "tv_sampled_mean": tv_sampled,
+                "expected_sampled_alpha": None if tv_sampled is None else 1 - tv_sampled,
+                "greedy_top1_agreement": _mean(self.dist["agree"]),
+            },
+            "path_tokens": self.path_tokens,
+        }
+
+
+class Bench:
+    """The target, the draft and the verifier's engine, set up once; ``run`` measures one
+    prompt."""
+
+    def __init__(self, target, draft_dir: Path, max_new_tokens: int, draft_len: int,
+                 threads: int | None = None) -> None:
+        from cloud_verifier.engine import VerifierEngine
+        from cloud_verifier.sessions import SessionStore
+        from edge_client.draft_model import OnnxDraftModel
+        from edge_client.drafter import DraftSampling
+
+        self.model = OnnxDraftModel(draft_dir, intra_op_threads=threads)
+        if self.model.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft outputs {self.model.vocab_size} logits, the target "
+                             f"{target.vocab_size}")
+        self.target = target
+        self.engine = VerifierEngine(target.model, target.vocab_size, target.max_context)
+        self.store = SessionStore(max_sessions=2 * len(DRAFTERS), ttl_s=3600.0)
+        self.stop_ids = frozenset(target.eos_token_ids)
+        self.max_new_tokens, self.draft_len = max_new_tokens, draft_len
+        self.sampling = {"greedy": DraftSampling(),
+                         "sampled": DraftSampling(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P,
+                                                  MAX_SUPPORT)}
+
+    def run(self, index: int, ids: list[int]) -> Accumulator:
+        """One prompt: the target's greedy path, the draft's trace of it, the six measured
+        generations (seeded by ``index``) and the greedy replays at every K."""
+        from cloud_verifier.sampling import SamplingParams
+        from edge_client.combined_drafter import CombinedDrafter, make_drafter
+        from edge_client.ngram_drafter import NgramDrafter
+
+        acc, n_new = Accumulator(self.draft_len), self.max_new_tokens
+        path, target_logits, acc.target_steps = target_greedy_path(self.target, ids, n_new,
+                                                                   self.stop_ids)
+        acc.path_tokens = len(path)
+        draft_logits, acc.draft_steps = draft_trace(self.model, ids, path)
         for key, values in distances(target_logits, draft_logits).items():
-            dist[key] += values
+            acc.dist[key] += values
 
+        params = {"greedy": SamplingParams(seed=index),
+                  "sampled": SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P, seed=index)}
         runs, keys = [], []
         for kind in DRAFTERS:
-            for mode, sampling, params in (
-                    ("greedy", greedy_sampling, SamplingParams(seed=index)),
-                    ("sampled", sampled, SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P,
-                                                        seed=index))):
-                runs.append((make_drafter(kind, model, sampling, np.random.default_rng(index)),
-                             params))
+            for mode in MODES:
+                runs.append((make_drafter(kind, self.model, self.sampling[mode],
+                                          np.random.default_rng(index)), params[mode]))
                 keys.append((kind, mode))
-        outs = run_together(engine, store, ids, runs, draft_len, max_new_tokens, stop_ids,
-                            [tallies[key] for key in keys])
+        outs = run_together(self.engine, self.store, ids, runs, self.draft_len, n_new,
+                            self.stop_ids, [acc.tallies[key] for key in keys])
         for (kind, mode), (drafter, _), out in zip(keys, runs, outs, strict=True):
             if mode == "greedy":
-                identical[kind] += out == path
+                acc.identical[kind] += out == path
             if isinstance(drafter, CombinedDrafter):
-                ngram_rounds[mode] += drafter.ngram_rounds
+                acc.ngram_rounds[mode] += drafter.ngram_rounds
 
         draft_argmax = draft_logits.argmax(-1)
         for kind in DRAFTERS:
@@ -398,44 +459,24 @@ def measure(target, draft_dir: Path, prompts: list[BenchPrompt], max_new_tokens:
                 path_drafter = PathDrafter(len(ids), path, draft_argmax)
                 drafter = {"model": path_drafter, "ngram": NgramDrafter(),
                            "combined": CombinedDrafter(path_drafter, NgramDrafter())}[kind]
-                replay[kind, k] += replay_greedy_rounds(drafter, ids, path, k, max_new_tokens)
+                acc.replay[kind, k] += replay_greedy_rounds(drafter, ids, path, k, n_new)
+        return acc
 
-    drafters = {}
-    for kind in DRAFTERS:
-        entry = {mode: tallies[kind, mode].summary() for mode in ("greedy", "sampled")}
-        entry["greedy"]["identical_to_target"] = identical[kind]
-        entry["greedy_tokens_per_round_by_k"] = {
-            str(k): path_tokens / replay[kind, k].rounds for k in REPLAY_KS}
-        entry["greedy_tokens_per_full_round_by_k"] = {
-            str(k): _ratio(replay[kind, k].full_tokens, replay[kind, k].full_rounds)
-            for k in REPLAY_KS}
-        if kind == "combined":
-            for mode in ("greedy", "sampled"):
-                entry[mode]["ngram_round_share"] = _ratio(ngram_rounds[mode],
-                                                          tallies[kind, mode].rounds)
-        drafters[kind] = entry
 
-    draft_ms = 1e3 * statistics.median(draft_steps) if draft_steps else None
-    target_ms = 1e3 * statistics.median(target_steps) if target_steps else None
-    return {
-        "drafters": drafters,
-        "latency": {
-            "draft_step_ms_median": draft_ms,
-            "target_step_ms_median": target_ms,
-            "draft_over_target": (draft_ms / target_ms) if draft_ms and target_ms else None,
-            "draft_steps": len(draft_steps),
-            "target_steps": len(target_steps),
-        },
-        "model_vs_target": {
-            "positions": len(dist["kl"]),
-            "kl_target_draft_mean": statistics.fmean(dist["kl"]),
-            "tv_mean": statistics.fmean(dist["tv"]),
-            "tv_sampled_mean": statistics.fmean(dist["tv_sampled"]),
-            "expected_sampled_alpha": 1 - statistics.fmean(dist["tv_sampled"]),
-            "greedy_top1_agreement": statistics.fmean(dist["agree"]),
-        },
-        "path_tokens": path_tokens,
-    }
+def measure_prompts(bench: Bench, prompts: list[BenchPrompt], label: str
+                    ) -> tuple[dict[str, Accumulator], Accumulator]:
+    """(category -> its prompts' counts, in first-seen order; all prompts' counts pooled).
+    Prompt i runs with seed i, so a set measures the same whatever else runs beside it."""
+    by_category: dict[str, Accumulator] = {}
+    total = Accumulator(bench.draft_len)
+    for index, prompt in enumerate(prompts):
+        log.info("%s prompt %d/%d (%s, %d tokens)", label, index + 1, len(prompts),
+                 prompt.category, len(prompt.ids))
+        one = bench.run(index, prompt.ids)
+        by_category.setdefault(prompt.category, Accumulator(bench.draft_len))
+        by_category[prompt.category] += one
+        total += one
+    return by_category, total
 
 
 def run_bench_acceptance(args: argparse.Namespace) -> int:
@@ -448,87 +489,69 @@ def run_bench_acceptance(args: argparse.Namespace) -> int:
     log.setLevel(logging.INFO)  # progress of a long run, whatever --log-level says
     if not 1 <= args.draft_len <= 64 or args.max_new_tokens < 1:
         raise SystemExit("--draft-len must be in [1, 64] and --max-new-tokens >= 1")
+    sets = ordered_sets(getattr(args, "sets", None) or ("realistic", "heldout"))
+    per_category = args.prompts
+    heldout_limit = getattr(args, "heldout_prompts", None)
+    heldout_limit = args.prompts if heldout_limit is None else heldout_limit
+    if any(n is not None and n < 1 for n in (per_category, heldout_limit)):
+        raise SystemExit("--prompts and --heldout-prompts must be >= 1")
     draft_dir = args.draft_dir or default_draft_dir()
     target = load_target(args.target)
-    texts, source = load_heldout_prompts(args.prompts)
-    if not texts:
-        raise SystemExit(f"no prompts in {source}")
+    tokenizer = EdgeTokenizer(draft_dir)
     max_prompt = target.max_context - args.max_new_tokens - max(REPLAY_KS) - 1
-    prompts = encode_prompts(EdgeTokenizer(draft_dir), texts, max_prompt)
+    realistic = heldout = None
+    if "realistic" in sets:
+        evals, _ = load_realistic(per_category)
+        realistic = encode_eval(tokenizer, evals, max_prompt)
+    if "heldout" in sets:
+        texts, source = load_heldout_prompts(heldout_limit)
+        if not texts:
+            raise SystemExit(f"no prompts in {source}")
+        heldout = encode_prompts(tokenizer, texts, max_prompt)
 
     t0 = time.perf_counter()
     torch_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        results = measure(target, draft_dir, prompts, args.max_new_tokens, args.draft_len,
-                          args.threads)
+        bench = Bench(target, draft_dir, args.max_new_tokens, args.draft_len, args.threads)
+        if realistic is not None:
+            by_category, overall = measure_prompts(bench, realistic, "realistic")
+        if heldout is not None:
+            _, total = measure_prompts(bench, heldout, "held-out")
         threads_used = torch.get_num_threads()
     finally:
         torch.set_num_threads(torch_threads)
+    config = {"sets": sets}
+    if heldout is not None:
+        config |= {"prompts": len(heldout), "prompt_source": source,
+                   "prompt_kinds": dict(Counter(kind for _, _, kind in texts)),
+                   "prompts_truncated": sum(p.truncated for p in heldout)}
+    config |= {
+        "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
+        "target": target.name, "draft_dir": str(draft_dir),
+        "sampled": {"temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P,
+                    "top_k": 0, "max_support": MAX_SUPPORT},
+        "tokens_per_round_by_k_method": "exact greedy replay against the target's path",
+        "tokens_per_full_round_by_k_method": "the same replay, only rounds with at least "
+                                             "K + 1 path tokens left (steady state)",
+    }
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch_threads": threads_used,
                     "onnxruntime_threads": args.threads or "default",
                     "device": str(target.device),
                     "torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
-        "config": {
-            "prompts": len(prompts), "prompt_source": source,
-            "prompt_kinds": dict(Counter(kind for _, _, kind in texts)),
-            "prompts_truncated": sum(p.truncated for p in prompts),
-            "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
-            "target": target.name, "draft_dir": str(draft_dir),
-            "sampled": {"temperature": SAMPLED_TEMPERATURE, "top_p": SAMPLED_TOP_P,
-                        "top_k": 0, "max_support": MAX_SUPPORT},
-            "tokens_per_round_by_k_method": "exact greedy replay against the target's path",
-            "tokens_per_full_round_by_k_method": "the same replay, only rounds with at least "
-                                                 "K + 1 path tokens left (steady state)",
-        },
-        **results,
-        "wall_s": time.perf_counter() - t0,
+        "config": config,
     }
+    if realistic is not None:
+        report["realistic"] = realistic_report(
+            per_category, realistic, {c: a.summary() for c, a in by_category.items()},
+            overall.summary())
+    if heldout is not None:
+        report |= total.summary()  # the held-out split under the report's original keys
+    report["wall_s"] = time.perf_counter() - t0
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(format_report(report))
     return 0
-
-
-def format_report(report: dict) -> str:
-    def f(v, spec: str = ".3f") -> str:
-        return "-" if v is None else format(v, spec)
-
-    c = report["config"]
-    lines = [f"{c['prompts']} prompts from {c['prompt_source']}, {c['max_new_tokens']} new "
-             f"tokens, K = {c['draft_len']}, sampled = T {SAMPLED_TEMPERATURE} / top-p "
-             f"{SAMPLED_TOP_P}",
-             "",
-             "| drafter | greedy alpha (judged) | sampled alpha (judged) | greedy tok/round | "
-             "sampled tok/round | greedy alpha by position |",
-             "|---|---|---|---|---|---|"]
-    for name, d in report["drafters"].items():
-        g, s = d["greedy"], d["sampled"]
-        by_pos = " ".join(f(p["alpha"], ".2f") for p in g["by_position"])
-        lines.append(f"| {name} | {f(g['alpha'])} ({g['judged']}) | {f(s['alpha'])} "
-                     f"({s['judged']}) | {f(g['tokens_per_round'], '.2f')} | "
-                     f"{f(s['tokens_per_round'], '.2f')} | {by_pos} |")
-    ks = list(next(iter(report["drafters"].values()))["greedy_tokens_per_round_by_k"])
-    lines += ["", "| greedy tokens/round | " + " | ".join(f"K={k}" for k in ks) + " |",
-              "|---|" + "---|" * len(ks)]
-    for name, d in report["drafters"].items():
-        for label, key in (("", "greedy_tokens_per_round_by_k"),
-                           (" (full rounds)", "greedy_tokens_per_full_round_by_k")):
-            by_k = d[key]
-            lines.append(f"| {name}{label} | " + " | ".join(f(by_k[k], ".2f") for k in ks)
-                         + " |")
-    lat, mv = report["latency"], report["model_vs_target"]
-    lines += ["",
-              f"per-token step (median): draft {f(lat['draft_step_ms_median'], '.2f')} ms, "
-              f"target {f(lat['target_step_ms_median'], '.2f')} ms "
-              f"(ratio {f(lat['draft_over_target'])})",
-              f"model draft vs target on the greedy path ({mv['positions']} positions): "
-              f"KL(p||q) {f(mv['kl_target_draft_mean'])}, TV {f(mv['tv_mean'])}, "
-              f"TV sampled {f(mv['tv_sampled_mean'])} (expected sampled alpha "
-              f"{f(mv['expected_sampled_alpha'])}), top-1 agreement "
-              f"{f(mv['greedy_top1_agreement'])}"]
-    return "\n".join(lines)
-

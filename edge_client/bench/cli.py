@@ -68,11 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.set_defaults(func=cmd_e2e)
 
     acc = sub.add_parser("acceptance",
-                         help="acceptance of the model, n-gram and combined drafters on "
-                              "held-out prompts, in-process")
+                         help="acceptance of the model, n-gram and combined drafters on the "
+                              "realistic eval set by category and on the held-out split, "
+                              "in-process")
     acc.add_argument("--json", type=Path, required=True, metavar="PATH")
-    acc.add_argument("--prompts", type=int, default=None,
-                     help="use only the first N held-out prompts (default: all)")
+    acc.add_argument("--sets", nargs="+", choices=("realistic", "heldout"),
+                     default=["realistic", "heldout"],
+                     help="prompt sets to measure, reported realistic first (default: both)")
+    acc.add_argument("--prompts", type=int, default=None, metavar="N",
+                     help="at most N evenly spaced prompts per category of the realistic "
+                          "set, and N evenly spaced held-out prompts (default: all)")
+    acc.add_argument("--heldout-prompts", type=int, default=None, metavar="N",
+                     help="N evenly spaced held-out prompts (default: --prompts)")
     acc.add_argument("--max-new-tokens", type=int, default=32)
     acc.add_argument("--draft-len", type=int, default=4, help="K of the measured rounds")
     acc.add_argument("--draft-dir", type=Path, default=None)

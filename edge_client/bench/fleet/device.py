@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -94,6 +95,8 @@ class _CountingLog:
         if seen is not None and isinstance(msg, str) and msg.startswith(_INTERRUPTED) \
                 and len(args) >= 2:
             seen.append(str(args[1]))
+        # The record names the core's line, not this one.
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
         self.inner.info(msg, *args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -140,7 +143,7 @@ class Device:
     def __init__(self, index: int, kind: str, config: FleetConfig, address: str,
                  info: pb.GetInfoResponse, netem: NetEm, drafts: DraftSource | None,
                  schedule: Iterator[Request], rng: np.random.Generator,
-                 retry_rng: np.random.Generator) -> None:
+                 retry_rng: np.random.Generator, stop_at: float = math.inf) -> None:
         self.index = index
         self.kind = kind
         self.config = config
@@ -153,6 +156,7 @@ class Device:
         self.schedule = schedule
         self.rng = rng  # think times
         self.retry_rng = retry_rng  # the core's back-off jitter
+        self.stop_at = stop_at  # no request starts after this (time.perf_counter())
         self.records: list[RequestRecord] = []
         # Every error status seen: each attempt the core lost (retried or not), and each
         # failure it raised that no lost attempt stands for (a protocol error).
@@ -173,6 +177,8 @@ class Device:
         for n, request in enumerate(self.schedule):
             if self.think_s:
                 await asyncio.sleep(self.think_s * float(self.rng.uniform(0.5, 1.5)))
+            if time.perf_counter() >= self.stop_at:
+                return
             record = RequestRecord(request.kind, time.perf_counter(), prompt_key=request.key,
                                    max_new_tokens=request.max_new_tokens)
             self.records.append(record)

@@ -34,6 +34,9 @@ from shared.pb import verifier_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE_S = 1.0
+STOP_ATTEMPTS = 30
+
 
 def check_compatible(info: pb.GetInfoResponse, tokenizer: EdgeTokenizer) -> None:
     if info.tokenizer_fingerprint != tokenizer.fingerprint:
@@ -106,25 +109,37 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
                 NetEm(prof, np.random.default_rng([config.seed, i, 1])), draft_source(),
                 workload.schedule(kind, i, config.max_requests),
                 np.random.default_rng([config.seed, i]),
-                np.random.default_rng([config.seed, i, 2])))
+                np.random.default_rng([config.seed, i, 2]), stop_at=end))
         tasks = [asyncio.ensure_future(d.run(config.ramp_s * i / config.clients))
                  for i, d in enumerate(devices)]
         try:
             await _progress(config, tasks, devices, end)
         finally:
-            # Cut by the window: cancelling a device leaves the core's generator, which
-            # cancels its stream and so closes the server's session.
-            for t in tasks:
-                t.cancel()
-            for d, outcome in zip(devices, await asyncio.gather(*tasks, return_exceptions=True),
-                                  strict=True):
-                if isinstance(outcome, Exception):
-                    log.error("client %d stopped: %r", d.index, outcome)
+            await _stop(tasks)
+            for d, t in zip(devices, tasks, strict=True):
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    log.error("client %d stopped: %r", d.index, t.exception())
             for d in devices:
                 await d.close()
     drafts = [d.drafts for d in devices if d.drafts is not None]
     return build_report(address, config, info, prof, devices, drafts, end - start, end,
                         recorded)
+
+
+async def _stop(tasks: list[asyncio.Task]) -> None:
+    """Cancels the devices cut by the window and waits for them to end. Leaving the core's
+    generator cancels its stream, which closes the server's session. A device that outlives
+    its cancellation (on Python 3.11, ``asyncio.wait_for`` drops a cancellation that meets a
+    result arriving at the same moment) is cancelled again; each also stops by itself at
+    the end of its current request."""
+    pending = {t for t in tasks if not t.done()}
+    for _ in range(STOP_ATTEMPTS):
+        if not pending:
+            return
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=STOP_GRACE_S)
+    log.error("%d clients did not stop after %d cancellations", len(pending), STOP_ATTEMPTS)
 
 
 async def _warm_up(address: str, config: FleetConfig, info: pb.GetInfoResponse,

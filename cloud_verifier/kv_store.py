@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from cloud_verifier import torch_thread
+
 
 class KVBudgetExceeded(Exception):
     """Raised when a buffer cannot grow without passing the byte budget."""
@@ -99,7 +101,10 @@ class KVStore:
         if kv is None:
             grown = SessionKV(buffer)
         else:
-            buffer[:, :, :, :kv.length] = kv.buffer[:, :, :, :kv.length]
+            # Queued, not done here: a prefix-cache restore may still have its copy into
+            # ``kv`` queued on the torch thread, and this copy must read what that one wrote
+            # (torch_thread runs work in submission order, and the round's forward after).
+            torch_thread.submit(buffer[:, :, :, :kv.length].copy_, kv.buffer[:, :, :, :kv.length])
             grown = SessionKV(buffer)
             grown.length = kv.length
         return grown

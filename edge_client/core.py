@@ -136,7 +136,10 @@ class _Wire:
         """The next message and when the device has it; None at the stream's end."""
         t0 = time.perf_counter()
         try:
-            message = await asyncio.wait_for(call.read(), self.conn.deadlines.reply_s)
+            # asyncio.timeout, not wait_for: wait_for can swallow a cancellation that
+            # arrives together with a result (Python 3.11), and cancel() must always win.
+            async with asyncio.timeout(self.conn.deadlines.reply_s):
+                message = await call.read()
         finally:
             self.stats.wait_s += time.perf_counter() - t0
         if message is grpc.aio.EOF:
@@ -174,10 +177,11 @@ class _Wire:
 
     async def end(self, call) -> None:
         """Half-closes a finished stream and lets the verifier end it with its status."""
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+        with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
             await call.done_writing()
-            while await asyncio.wait_for(call.read(), _END_GRACE_S) is not grpc.aio.EOF:
-                pass
+            async with asyncio.timeout(_END_GRACE_S):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
 
 
 async def generate(conn: Connection, state: GenerationState, propose: Propose,
@@ -329,7 +333,8 @@ async def _lookahead(wire: _Wire, state: GenerationState,
         while not state.finished:
             t0 = time.perf_counter()
             try:
-                item = await asyncio.wait_for(inbox.get(), wire.conn.deadlines.reply_s)
+                async with asyncio.timeout(wire.conn.deadlines.reply_s):
+                    item = await inbox.get()
             finally:
                 wire.stats.wait_s += time.perf_counter() - t0
             if isinstance(item, grpc.aio.AioRpcError):
@@ -343,12 +348,12 @@ async def _lookahead(wire: _Wire, state: GenerationState,
             if not state.finished and (k := state.lookahead_len()):
                 outbox.put(state.lookahead_message(await propose(state.committed, k)))
         outbox.put(None)
-        with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
-            await asyncio.wait_for(tasks[0], _END_GRACE_S)
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            async with asyncio.timeout(_END_GRACE_S):
+                await tasks[0]
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await call.done_writing()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(tasks[1]), _END_GRACE_S)
+        await asyncio.wait([tasks[1]], timeout=_END_GRACE_S)
     finally:
         call.cancel()
         for task in tasks:

@@ -222,6 +222,7 @@ class GenerationState:
         Generate step, whose drafts the server picked."""
         if self.finished:
             raise ProtocolError("a step arrived after the generation finished")
+        token_cost = _token_cost(step)  # every check before any state moves
         new = list(step.token_ids)
         n = step.num_accepted
         if n > step.num_drafted or any(not 0 <= t < self.limits.vocab_size for t in new) \
@@ -236,17 +237,18 @@ class GenerationState:
                     or new[:n] != proposal.tokens[:len(new)][:n]:
                 raise ProtocolError(f"step accepts {new[:n]} of {step.num_drafted} drafts, "
                                     f"the client sent {proposal.tokens}")
-            self.round_no += 1
-            self.pending = None
-        token_cost = _token_cost(step)
         if len(self.committed) + len(new) != step.committed_length:
             raise ProtocolError(f"step says committed length {step.committed_length}, "
                                 f"the client has {len(self.committed)} + {len(new)}")
-        self.committed.extend(new)
-        if self.remaining < 0 or (self.remaining == 0 and not step.finished):
-            raise ProtocolError(f"{len(self.generated)} tokens generated of "
+        remaining = self.remaining - len(new)
+        if remaining < 0 or (remaining == 0 and not step.finished):
+            raise ProtocolError(f"{len(self.generated) + len(new)} tokens generated of "
                                 f"{self.params.max_new_tokens} and the step says finished="
                                 f"{step.finished}")
+        if proposal is not None:
+            self.round_no += 1
+            self.pending = None
+        self.committed.extend(new)
         self.finished = step.finished
         self.suggested = (step.suggested_draft_len if step.HasField("suggested_draft_len")
                           else None)

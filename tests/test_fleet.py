@@ -192,8 +192,6 @@ def test_state_with_confidences_is_cut_by_the_servers_token_cost():
     assert r.worth_sending(plain) == plain and r.next_k() == 1
 
 
-@pytest.mark.xfail(strict=True, reason="GenerationState.apply advances round_no before it "
-                   "checks draft_token_cost, so a rejected step leaves the state moved on")
 def test_state_checks_the_token_cost_before_applying_anything():
     r = GenerationState([5], SessionParams(max_new_tokens=20), LIMITS, draft_len=6,
                         follow_suggestion=True)

@@ -3,6 +3,8 @@ may reuse it, the memory it may hold, and that reuse changes no output."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import torch
 from stream_helpers import SessionCall, open_message, verify_message
@@ -46,6 +48,24 @@ def test_common_prefix_len():
     assert common_prefix_len(a, np.array([1, 2])) == 2
     assert common_prefix_len(a, np.array([7])) == 0
     assert common_prefix_len(a, np.array([], dtype=int)) == 0
+
+
+def test_a_buffer_grown_before_its_restore_copy_ran_still_holds_the_prefix():
+    """Under a tight KV budget a restored buffer holds just the prompt, so the session's
+    first round grows it from the event loop, possibly while the restore's copy is still
+    queued behind a forward on the torch thread. The grown buffer must hold the prefix all
+    the same (it held uninitialised memory when the growth copied at once)."""
+    s = store()
+    cache = PrefixCache(s, max_bytes=1 << 20, ttl_s=60)
+    cache.keep("alice", [1, 2, 3, 4, 5, 6], filled(s, [1, 2, 3, 4, 5, 6]))
+    busy = threading.Event()
+    torch_thread.submit(busy.wait)  # a forward in progress
+    try:
+        kv = cache.restore("alice", [1, 2, 3, 4, 5, 7])  # its copy waits behind it
+        grown = s.ensure(kv, kv.capacity + 10)
+    finally:
+        busy.set()
+    assert grown is not kv and cached_tokens(grown) == [1, 2, 3, 4, 5]
 
 
 def test_restore_copies_the_longest_shared_prefix_of_the_owners_buffers():

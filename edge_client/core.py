@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
@@ -66,6 +66,9 @@ class GenerationStats:
     bytes_up: int = 0  # serialized protobuf bytes sent
     bytes_down: int = 0  # serialized protobuf bytes received
     reopens: int = 0
+    # The status of every attempt lost (whether it was retried or ended the generation),
+    # by code name: what a load test reports as errors.
+    lost_attempts: dict[str, int] = field(default_factory=dict)
     draft_s: float = 0.0
     wait_s: float = 0.0  # waiting for replies (network + the server's queue and forwards)
     verify_s: float = 0.0  # the server's own queue + forward time
@@ -215,6 +218,8 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
             except TimeoutError:
                 details = ErrorDetails(grpc.StatusCode.DEADLINE_EXCEEDED, None, None,
                                        f"no reply within {conn.deadlines.reply_s} s", {})
+            name = details.code.name
+            stats.lost_attempts[name] = stats.lost_attempts.get(name, 0) + 1
             if len(state.committed) > before:
                 backoff.progress()
             log.info("generation interrupted after %d tokens (%s %s: %s); reopening",

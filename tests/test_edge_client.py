@@ -413,3 +413,4 @@ def test_a_session_expired_while_the_device_was_quiet_reopens_unchanged(
         expired = v.server.metrics.evictions.labels("ttl")._value.get()
     assert gen.token_ids == want.token_ids
     assert gen.stats.reopens == 1 and expired >= 1
+    assert gen.stats.lost_attempts == {"NOT_FOUND": 1}

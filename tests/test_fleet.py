@@ -263,29 +263,6 @@ def test_reopen_resends_the_full_context_the_same_params_and_the_draft_in_flight
 # -- the device's accounting -----------------------------------------------------------------
 
 
-def test_lost_attempts_are_counted_from_the_cores_log_whatever_the_log_level(caplog):
-    """The fleet counts what the core retried from the core's own log line, per request,
-    without changing what the log shows."""
-    from edge_client import core
-    from edge_client.bench.fleet import device
-
-    original = core.log
-    lost: list[str] = []
-    with caplog.at_level(logging.WARNING, "edge_client.core"), device.counting_retries():
-        with device.counting_retries():  # nested runs count once
-            token = device._interrupted.set(lost)
-            core.log.info("generation interrupted after %d tokens (%s %s: %s); reopening",
-                          3, "NOT_FOUND", "SESSION_EVICTED", "evicted")
-            core.log.info("something else")
-            core.log.warning("a warning")
-            device._interrupted.reset(token)
-        core.log.info("generation interrupted after %d tokens (%s %s: %s); reopening",
-                      0, "UNAVAILABLE", "-", "not this request's")
-    assert lost == ["NOT_FOUND"]
-    assert [r.getMessage() for r in caplog.records] == ["a warning"]  # INFO stayed hidden
-    assert core.log is original
-
-
 # -- the sweep ----------------------------------------------------------------------------------
 
 

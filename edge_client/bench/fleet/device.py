@@ -3,15 +3,14 @@ core (edge_client.core) over the device's own connection and emulated network.
 
 The device adds no protocol or retry logic: it builds each request's ``GenerationState``,
 runs ``edge_client.core.generate`` with a ``NetEmLink`` and its drafts, and turns the
-deliveries into a ``RequestRecord``. What the core retried is counted from its log lines
-(``counting_retries``); what failed a request, from what the core raised.
+deliveries into a ``RequestRecord``. What the core retried comes from its stats
+(``GenerationStats.lost_attempts``); what failed a request, from what the core raised.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import math
 import time
@@ -73,53 +72,6 @@ class RequestRecord:
             self.drafting_forwards += d.forwards
         if d.decoded:
             self.continued += len(d.tokens)
-
-
-# -- what the core retried ------------------------------------------------------------------
-
-# The status names of the attempts the core lost in the current request (None: not counting).
-_interrupted: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "fleet_interrupted", default=None)
-_INTERRUPTED = "generation interrupted"  # how the core logs a lost attempt
-
-
-class _CountingLog:
-    """Stands in for the core's logger: reads its "generation interrupted ... (CODE REASON:
-    ...)" lines into the request that logged them, and passes every call on unchanged."""
-
-    def __init__(self, inner: logging.Logger) -> None:
-        self.inner = inner
-
-    def info(self, msg, *args, **kwargs) -> None:
-        seen = _interrupted.get()
-        if seen is not None and isinstance(msg, str) and msg.startswith(_INTERRUPTED) \
-                and len(args) >= 2:
-            seen.append(str(args[1]))
-        # The record names the core's line, not this one.
-        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
-        self.inner.info(msg, *args, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
-_installed = 0
-
-
-@contextlib.contextmanager
-def counting_retries() -> Iterator[None]:
-    """While it is open, devices count the attempts the core lost (the core logs each one
-    before it backs off or gives up), whatever the log level shows."""
-    global _installed
-    if _installed == 0:
-        core.log = _CountingLog(core.log)
-    _installed += 1
-    try:
-        yield
-    finally:
-        _installed -= 1
-        if _installed == 0:
-            core.log = core.log.inner
 
 
 def failure_name(err: Exception) -> str:
@@ -202,8 +154,6 @@ class Device:
         stats = core.GenerationStats()
         propose = (self.drafts.start(request, np.random.default_rng(params.seed), stats)
                    if self.drafts is not None else _no_drafts)
-        lost: list[str] = []
-        token = _interrupted.set(lost)
         try:
             async with contextlib.aclosing(core.generate(
                     self.conn, state, propose, stats, self.info, self.retry_rng)) as deliveries:
@@ -212,12 +162,15 @@ class Device:
         except (RequestRejected, VerifierUnavailable, ProtocolError,
                 IncompatibleVerifier) as err:
             record.failed = failure_name(err)
+            lost = stats.lost_attempts
             if isinstance(err, RequestRejected | VerifierUnavailable) and lost:
-                lost.pop()  # the lost attempt the core gave up on: counted as the failure
+                # The attempt the core gave up on is counted as the failure.
+                name = err.details.code.name if isinstance(err, RequestRejected) else None
+                name = name if name in lost else next(reversed(lost))
+                lost[name] -= 1
             raise
         finally:
-            _interrupted.reset(token)
-            self.errors.update(lost)
+            self.errors.update({k: v for k, v in stats.lost_attempts.items() if v > 0})
             if record.failed:
                 self.errors[record.failed] += 1
             record.reopens = state.reopens

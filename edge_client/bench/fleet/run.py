@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.bench.fleet.config import FleetConfig, require_loopback
-from edge_client.bench.fleet.device import Device, counting_retries
+from edge_client.bench.fleet.device import Device
 from edge_client.bench.fleet.drafts import DraftSource
 from edge_client.bench.fleet.netem import NetEm, profile
 from edge_client.bench.fleet.replay import (
@@ -96,31 +96,30 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
         return (DraftSource(config.drafts, model_factory, sampling, book, config.confidence)
                 if config.mode == "spec" else None)
 
-    with counting_retries():
-        if config.warm_up:
-            await _warm_up(address, config, info, workload, draft_source)
-        devices: list[Device] = []
-        start = time.perf_counter()
-        end = start + config.duration_s
-        for i in range(config.clients):
-            kind = workload.kind_of(config.workload, i)
-            devices.append(Device(
-                i, kind, config, address, info,
-                NetEm(prof, np.random.default_rng([config.seed, i, 1])), draft_source(),
-                workload.schedule(kind, i, config.max_requests),
-                np.random.default_rng([config.seed, i]),
-                np.random.default_rng([config.seed, i, 2]), stop_at=end))
-        tasks = [asyncio.ensure_future(d.run(config.ramp_s * i / config.clients))
-                 for i, d in enumerate(devices)]
-        try:
-            await _progress(config, tasks, devices, end)
-        finally:
-            await _stop(tasks)
-            for d, t in zip(devices, tasks, strict=True):
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    log.error("client %d stopped: %r", d.index, t.exception())
-            for d in devices:
-                await d.close()
+    if config.warm_up:
+        await _warm_up(address, config, info, workload, draft_source)
+    devices: list[Device] = []
+    start = time.perf_counter()
+    end = start + config.duration_s
+    for i in range(config.clients):
+        kind = workload.kind_of(config.workload, i)
+        devices.append(Device(
+            i, kind, config, address, info,
+            NetEm(prof, np.random.default_rng([config.seed, i, 1])), draft_source(),
+            workload.schedule(kind, i, config.max_requests),
+            np.random.default_rng([config.seed, i]),
+            np.random.default_rng([config.seed, i, 2]), stop_at=end))
+    tasks = [asyncio.ensure_future(d.run(config.ramp_s * i / config.clients))
+             for i, d in enumerate(devices)]
+    try:
+        await _progress(config, tasks, devices, end)
+    finally:
+        await _stop(tasks)
+        for d, t in zip(devices, tasks, strict=True):
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                log.error("client %d stopped: %r", d.index, t.exception())
+        for d in devices:
+            await d.close()
     drafts = [d.drafts for d in devices if d.drafts is not None]
     return build_report(address, config, info, prof, devices, drafts, end - start, end,
                         recorded)

@@ -31,7 +31,7 @@ import numpy as np
 DEFAULT_SESSION_COST = 0.032
 DEFAULT_TOKEN_COST = 0.020
 # With K = 0, alpha is never measured again; probe with K = 1 every this many rounds. Each
-# probe ends the client's Continue stream (one round trip), so it is kept rare.
+# probe ends the client's Decode (one round trip), so it is kept rare.
 PROBE_EVERY = 32
 
 

@@ -55,7 +55,7 @@ class VerifierMetrics:
                                           buckets=(1, 2, 3, 4, 5, 6, 8, 12, 17), registry=r)
         self.lookahead_forwards = Counter(
             "edgespec_lookahead_forwards",
-            "Forwards of Lookahead streams, by what the latest lookahead gave: fresh (drafts "
+            "Forwards of lookahead-mode sessions, by what the latest lookahead gave: fresh (drafts "
             "verified), stale (it no longer continued the text, or was used up), none (none "
             "received yet, or drafting did not pay), unsure (fresh, but its confidences made "
             "no draft worth verifying).", ["lookahead"], registry=r)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 SPEC = "spec"
 CONTINUE = "continue"
-# Tokens per Continue stream the chooser asks for: long enough that the stream's one round
+# Tokens per Decode the chooser asks for: long enough that the stream's one round
 # trip is small against its decoding time, short enough to re-measure drafting soon.
 CONTINUE_TOKENS = 64
 EXPLORE_CONTINUE_TOKENS = 16

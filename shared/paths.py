@@ -48,5 +48,5 @@ def standin_draft_pt_dir() -> Path:
 
 def draft_twin_dir(draft_dir: Path) -> Path:
     """A distilled draft's full-vocabulary PyTorch twin, written by ``edgespec-distill
-    export`` beside the cache (for the assisted-generation case of ``edge-client bench``)."""
+    export`` beside the cache (for the assisted-generation case of ``edgespec-bench e2e``)."""
     return cache_dir() / f"{Path(draft_dir).name}-pt"

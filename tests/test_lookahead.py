@@ -69,10 +69,10 @@ def test_stale_or_used_up_lookahead_gives_no_drafts(committed, k):
 # so every law is exact. A "client" drafts lookaheads of 3 tokens by sampling q after the
 # committed text it last saw, which lags the server's by 0 or 1 forwards at random (a
 # lookahead that arrives in time, or one forward late); the "server" verifies what
-# fresh_drafts takes (K <= 2) with shared.verification.verify, or decodes one token. The first
-# three generated tokens must follow the target's law: N = 8,000 streams, 27 outcomes, each
-# count within 5 sigma + 5 of N * p (a misaligned q, e.g. q of the wrong position, moves
-# several bins by far more).
+# fresh_drafts takes (K <= 2) with cloud_verifier.verification.verify, or decodes one token.
+# The first three generated tokens must follow the target's law: N = 8,000 streams, 27
+# outcomes, each count within 5 sigma + 5 of N * p (a misaligned q, e.g. q of the wrong
+# position, moves several bins by far more).
 
 V = 3
 P_CHAIN = np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.3, 0.5, 0.2]])

@@ -26,7 +26,7 @@ falls back to the model and is counted as a replay miss. Books are cached on dis
 (target, draft, K).
 
 Workloads: ``chat`` sends chat prompts (shared.prompts.CHAT_PROMPTS, then the held-out split
-of edge_client.tools.distill_prompts) for long answers (``chat_tokens``). ``ime`` types
+of edge_client.tools.distill.prompts) for long answers (``chat_tokens``). ``ime`` types
 sentences word by word: after every 1-3 more words, the grown raw-text prefix is sent for a
 completion of 4-12 tokens, with a typing pause (``think_ms``, +-50 %) before each request;
 with ``ime_document`` the sentences are one document, so each prompt also holds every

@@ -414,3 +414,40 @@ def test_a_session_expired_while_the_device_was_quiet_reopens_unchanged(
     assert gen.token_ids == want.token_ids
     assert gen.stats.reopens == 1 and expired >= 1
     assert gen.stats.lost_attempts == {"NOT_FOUND": 1}
+
+
+def test_every_call_of_a_generation_carries_one_routing_key(target, tiny_llama_pair,
+                                                            monkeypatch):
+    """GetInfo, the first stream and the stream that reopens it after a TTL expiry all carry
+    the edgespec-routing-key metadata, the same key for the whole generation (a gateway keeps
+    the generation on one replica), another key for the next generation."""
+    from cloud_verifier import service as service_module
+    from cloud_verifier.interceptors import current_routing_key
+
+    seen: list[tuple[str, str]] = []
+    original_session = service_module.VerifierService.Session
+    original_info = service_module.VerifierService.GetInfo
+
+    def session(self, request_iterator, context):
+        seen.append(("Session", current_routing_key()))
+        return original_session(self, request_iterator, context)
+
+    async def get_info(self, request, context):
+        seen.append(("GetInfo", current_routing_key()))
+        return await original_info(self, request, context)
+
+    monkeypatch.setattr(service_module.VerifierService, "Session", session)
+    monkeypatch.setattr(service_module.VerifierService, "GetInfo", get_info)
+    config = GenerationConfig(max_new_tokens=20, draft_len=3, ignore_eos=True)
+    with EmbeddedVerifier(target, VerifierConfig(port=0, session_ttl_s=0.4)) as v, \
+            EdgeClient(v.address, tiny_llama_pair.draft_dir,
+                       link=StallingLink(stall_at=3, stall_s=1.5)) as c:
+        gen = c.generate(PROMPT, config)
+        list(gen)
+        list(c.generate(PROMPT, config))
+    assert gen.stats.reopens == 1
+    calls = [name for name, _ in seen]
+    keys = [key for _, key in seen]
+    assert calls[0] == "GetInfo" and calls.count("Session") == 3 and all(keys)
+    first, reopened, second = [key for name, key in seen if name == "Session"]
+    assert first == reopened != second

@@ -6,6 +6,7 @@ Used as the container HEALTHCHECK; a draining or unreachable verifier exits 1.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 import grpc
@@ -19,6 +20,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="edgespec-healthcheck", description=__doc__)
+    p.add_argument("--version", action="version",
+                   version=f"edgespec {importlib.metadata.version('edgespec')}")
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--timeout", type=float, default=3.0)
     args = p.parse_args(argv)

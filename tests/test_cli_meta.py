@@ -1,4 +1,4 @@
-"""The offline tools' commands: ``--version`` names the installed package, ``--help`` loads no
+"""Every command: ``--version`` names the installed package, ``--help`` loads no
 torch (each stage imports it only when it runs), and pyproject's entry points resolve."""
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {
+    "edge-client": "edge_client.cli",
+    "edgespec-verifier": "cloud_verifier.server",
+    "edgespec-healthcheck": "cloud_verifier.healthcheck",
     "edgespec-prepare": "edge_client.tools.prepare",
     "edgespec-distill": "edge_client.tools.distill.cli",
     "edgespec-bench": "edge_client.bench.cli",

@@ -1,10 +1,10 @@
 """``edgespec-distill``: distil the target into a small ONNX draft, resumably.
 
 Subcommands (each one checkpoints; kill it at any moment and rerun the same command):
-``gen-data`` (module ``data``), ``train`` (``train``), ``export`` (``export``) and ``eval``
-(``evaluate``); the package docstring says what each does. A stage's module is imported when
-its subcommand runs, and none imports torch at module level, so ``--help`` and ``--version``
-load no torch.
+``gen-prompts`` (module ``magpie``), ``gen-data`` (module ``data``), ``train`` (``train``),
+``export`` (``export``) and ``eval`` (``evaluate``); the package docstring says what each
+does. A stage's module is imported when its subcommand runs, and none imports torch at module
+level, so ``--help`` and ``--version`` load no torch.
 """
 
 from __future__ import annotations
@@ -31,10 +31,15 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    from edge_client.tools.distill.magpie import add_parser as add_gen_prompts
+
+    add_gen_prompts(sub)
     g = sub.add_parser("gen-data", help="record the target's top-k distributions")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--target", type=Path, default=None)
     g.add_argument("--split", choices=SPLITS, default="train")
+    g.add_argument("--prompts-file", type=Path, default=None,
+                   help="JSONL prompts (e.g. from gen-prompts) instead of --split")
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -123,7 +128,12 @@ def _run(args) -> int:
         gen_data(GenConfig(args.target, args.out, args.split, args.shard_size, args.batch_size,
                            args.max_new_tokens, args.top_k, args.sample_fraction,
                            args.temperature, args.seed, args.max_prompts, args.threads,
-                           *map(int, args.worker.split("/")), draft_run=args.draft_run))
+                           *map(int, args.worker.split("/")), draft_run=args.draft_run,
+                           prompts_file=args.prompts_file))
+    elif args.cmd == "gen-prompts":
+        from edge_client.tools.distill.magpie import run_cli
+
+        return run_cli(args)
     elif args.cmd == "train":
         from edge_client.tools.distill.model import ArchConfig
         from edge_client.tools.distill.train import TrainConfig, train

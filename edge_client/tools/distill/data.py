@@ -4,7 +4,9 @@ log-probabilities of the target's distribution p at temperature 1 that position 
 from. One shard per ``--shard-size`` prompts, written atomically; a rerun skips finished
 shards. With ``--draft-run`` the data is on-policy: a trained draft writes the continuations
 (the text it will be asked to extend on the edge) and the target labels every position in one
-teacher-forced forward, which costs the target far less than generating them."""
+teacher-forced forward, which costs the target far less than generating them. The prompts are
+a template split (``--split``) or a JSONL prompt file (``--prompts-file``, module
+``prompt_file``)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 
 from edge_client.tools.distill.common import default_target, jsonable, write_json
 from edge_client.tools.distill.model import full_vocab_twin, load_run
+from edge_client.tools.distill.prompt_file import encode_prompt, file_digest, load_prompts_file
 from edge_client.tools.distill.prompts import prompt_split
 from edge_client.tools.distill.shards import Sample, write_shard
 from edge_client.tools.distill.vocab import VocabMap
@@ -46,6 +49,8 @@ class GenConfig:
     # On-policy data: this training run's draft writes the continuations and the target only
     # labels them (one teacher-forced forward per batch). None: the target writes them.
     draft_run: Path | None = None
+    # A JSONL prompt file (module ``prompt_file``, e.g. from ``gen-prompts``) instead of split.
+    prompts_file: Path | None = None
 
 
 def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
@@ -59,13 +64,23 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if prompts is None:
+    if prompts is None and cfg.prompts_file is not None:
+        prompts = load_prompts_file(cfg.prompts_file)
+    elif prompts is None:
         prompts = prompt_split(cfg.split)  # type: ignore[arg-type]
     order = np.random.default_rng(cfg.seed).permutation(len(prompts))
     if cfg.max_prompts:
         order = order[: cfg.max_prompts]
-    _check_resume(out / "config.json", cfg)
-    write_json(out / "config.json", {**jsonable(asdict(cfg)), "num_prompts": len(order)})
+    config = out / "config.json"
+    _check_resume(config, cfg)
+    # A prompt file may be regenerated bigger; its shards would then hold other prompts.
+    digest = file_digest(cfg.prompts_file) if cfg.prompts_file else None
+    if digest and config.exists() and (
+            json.loads(config.read_text()).get("prompts_sha256") != digest):
+        raise ValueError(f"{cfg.prompts_file} changed since {out} was generated from it; "
+                         "use a new --out")
+    write_json(config, {**jsonable(asdict(cfg)), "num_prompts": len(order),
+                        "prompts_sha256": digest})
 
     target = load_target(cfg.target, device="cpu")
     target_dir = Path(cfg.target) if cfg.target is not None else default_target()
@@ -85,7 +100,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         encoded = []
         for i in idx:
             p = prompts[int(i)]
-            ids = tok.encode_chat(p.text) if p.chat else tok.encode(p.text)
+            ids = encode_prompt(tok, p)
             # One draw per prompt decides greedy vs sampled, independent of batching.
             sampled = bool(np.random.default_rng([cfg.seed, int(i)]).random() < cfg.sample_fraction)
             encoded.append((int(i), ids, sampled))
@@ -117,7 +132,8 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
 
 # What a data directory's shards depend on; a resumed run must use the same values.
 _DATA_FIELDS = ("split", "shard_size", "batch_size", "max_new_tokens", "top_k",
-                "sample_fraction", "temperature", "seed", "max_prompts", "draft_run")
+                "sample_fraction", "temperature", "seed", "max_prompts", "draft_run",
+                "prompts_file")
 
 
 def _check_resume(config_path: Path, cfg: GenConfig) -> None:

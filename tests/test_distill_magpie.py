@@ -64,6 +64,22 @@ def test_user_turn_prefix_comes_from_the_template():
                                               "<|im_start|>user\n")
 
 
+def test_text_filter_reasons():
+    cfg = MagpieConfig(Path())
+
+    def why(text, ids=(), done=True):
+        return magpie.text_reason(text, list(ids), done, {1}, cfg, 3, 20)
+
+    assert why("how do I fix a bike chain that keeps slipping?") is None
+    assert why("how do I fix", done=False) == "unfinished"
+    assert why("how do I fix", ids=[5, 1]) == "special_token"
+    assert why("  \n ") == "empty"
+    assert why("\x00\x01\x02 abc def ghi") == "unprintable"
+    assert why("hi there") == "too_short"
+    assert why(" ".join(["word"] * 21)) == "too_long"
+    assert why("data science consulting, " * 6) == "repetitive"
+
+
 def test_writes_the_three_kinds(target, tmp_path):
     out = tmp_path / "p"
     stats = gen_prompts(_cfg(target, out, 5), eval_prompts=[])

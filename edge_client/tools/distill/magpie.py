@@ -15,8 +15,10 @@ three sources:
   neutral sentence opener (``OPENERS``), or writes a user turn, and the text is cut at a random
   word boundary into a 3-15 word prefix.
 
-Every candidate is filtered (unfinished, special tokens, empty, too short or long, not mostly
-printable), deduplicated on normalized text, and dropped if it shares a shingle with the
+Records: ``{"id", "source", "prompt" | "messages" | "text", "seed"}`` (``seed``: the round's;
+IME records also say ``from``: "opener" or "user"). Every candidate is filtered (unfinished,
+special tokens, empty, too short or long, not mostly printable, a repetition loop; multiturn
+answers too), deduplicated on normalized text, and dropped if it shares a shingle with the
 realistic evaluation set (``edge_client.bench.eval_set.overlaps``): none of it may leak into
 training.
 
@@ -158,10 +160,19 @@ def text_reason(text: str, ids: list[int], finished: bool, special: set[int], cf
     printable = sum(c.isprintable() or c in "\n\t" for c in text) / len(text)
     if printable < cfg.min_printable or "\ufffd" in text:
         return "unprintable"
-    words = len(text.split())
-    if words < min_words:
+    words = text.lower().split()
+    if len(words) < min_words:
         return "too_short"
-    return "too_long" if words > max_words else None
+    if len(words) > max_words:
+        return "too_long"
+    return "repetitive" if repetitive(words) else None
+
+
+def repetitive(words: list[str], n: int = 3, min_distinct: float = 0.6) -> bool:
+    """A degenerate loop ("data science consulting, data science consulting, ..."): few of
+    the text's word n-grams are distinct."""
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(grams) >= 10 and len(set(grams)) < min_distinct * len(grams)
 
 
 class _Sampler:
@@ -247,7 +258,7 @@ def _multiturn_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
     convs = []
     for first, (ids, done) in zip(firsts, answers, strict=True):
         answer = _trim_answer(s.tok.decode(ids).strip(), done)
-        if not answer or s.special.intersection(ids):
+        if not answer or s.special.intersection(ids) or repetitive(answer.lower().split()):
             reasons["bad_answer"] += 1
         else:
             convs.append([{"role": "user", "content": first},
@@ -285,7 +296,9 @@ def _ime_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
         finished = done or "\n" in text  # a line that ended holds only whole words
         line = text.split("\n")[0]
         words = list(re.finditer(r"\S+", line))
-        most = min(cfg.ime_max_words, len(words) if finished else len(words) - 1)
+        # Cut inside the line (a prefix, not a finished text) unless it is only just long enough.
+        whole = finished and len(words) == cfg.ime_min_words
+        most = min(cfg.ime_max_words, len(words) if whole else len(words) - 1)
         why = "special_token" if s.special.intersection(ids) else None
         if not why and most < cfg.ime_min_words:
             why = "too_short"
@@ -419,9 +432,9 @@ def print_stats(stats: dict) -> None:
         if not st["wanted"] and not st["generated"]:
             continue
         reasons = ", ".join(f"{k} {v}" for k, v in st["filtered"].items()) or "none"
-        print(f"{kind:9s} kept {st['kept']}/{st['wanted']} of {st['candidates']} candidates "
-              f"({st['rounds']} rounds); {st['seconds_this_run']:.1f} s this run, "
-              f"{st['seconds']:.1f} s in all, {st['per_minute'] or 0:.1f}/min; "
+        print(f"{kind:9s} {st['kept']}/{st['wanted']} kept; {st['generated']} accepted of "
+              f"{st['candidates']} candidates in {st['rounds']} rounds, {st['seconds']:.1f} s "
+              f"({st['seconds_this_run']:.1f} s this run), {st['per_minute'] or 0:.1f}/min; "
               f"filtered: {reasons}")
     print(f"{stats['records']} prompts in {stats['prompts_file']}")
 

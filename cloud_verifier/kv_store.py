@@ -101,10 +101,12 @@ class KVStore:
         if kv is None:
             grown = SessionKV(buffer)
         else:
-            # Queued, not done here: a prefix-cache restore may still have its copy into
-            # ``kv`` queued on the torch thread, and this copy must read what that one wrote
-            # (torch_thread runs work in submission order, and the round's forward after).
-            torch_thread.submit(buffer[:, :, :, :kv.length].copy_, kv.buffer[:, :, :, :kv.length])
+            # On the torch thread, and waited for: a prefix-cache restore may still have its
+            # copy into ``kv`` queued there, and this copy must read what that one wrote
+            # (torch_thread runs work in submission order); the caller may use the buffer
+            # as soon as this returns. From the event loop this waits for a forward in
+            # progress, which only happens when a round must grow under a KV budget.
+            torch_thread.run(buffer[:, :, :, :kv.length].copy_, kv.buffer[:, :, :, :kv.length])
             grown = SessionKV(buffer)
             grown.length = kv.length
         return grown

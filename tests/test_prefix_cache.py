@@ -59,13 +59,20 @@ def test_a_buffer_grown_before_its_restore_copy_ran_still_holds_the_prefix():
     cache = PrefixCache(s, max_bytes=1 << 20, ttl_s=60)
     cache.keep("alice", [1, 2, 3, 4, 5, 6], filled(s, [1, 2, 3, 4, 5, 6]))
     busy = threading.Event()
-    torch_thread.submit(busy.wait)  # a forward in progress
-    try:
-        kv = cache.restore("alice", [1, 2, 3, 4, 5, 7])  # its copy waits behind it
-        grown = s.ensure(kv, kv.capacity + 10)
-    finally:
-        busy.set()
+    torch_thread.submit(busy.wait)  # a forward in progress, done in 0.3 s
+    threading.Timer(0.3, busy.set).start()
+    kv = cache.restore("alice", [1, 2, 3, 4, 5, 7])  # its copy waits behind the forward
+    grown = s.ensure(kv, kv.capacity + 10)  # from another thread, meanwhile
     assert grown is not kv and cached_tokens(grown) == [1, 2, 3, 4, 5]
+
+
+def test_a_grown_buffer_is_complete_when_ensure_returns():
+    """Callers off the torch thread (an in-process benchmark's forwards) read the grown
+    buffer at once: the growth copy has finished by then."""
+    s = store()
+    kv = filled(s, [4, 5, 6])
+    grown = s.ensure(kv, kv.capacity + 1)
+    assert grown.buffer[0, 0, 0, :3, 0].long().tolist() == [4, 5, 6] and grown.length == 3
 
 
 def test_restore_copies_the_longest_shared_prefix_of_the_owners_buffers():

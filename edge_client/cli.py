@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import sys
 from importlib.metadata import version
@@ -124,16 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edge_client.errors import EdgeError
+    from edge_client.errors import run_command
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except EdgeError as err:  # a clear line, not a traceback
-        print(f"edge-client: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+    return run_command("edge-client", build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -26,3 +26,18 @@ class RequestRejected(EdgeError):
                          + (f" ({details.reason})" if details.reason else "")
                          + f": {details.message}")
         self.details = details
+
+
+def run_command(prog: str, args) -> int:
+    """Runs a parsed command (``args.func(args)``, logging at ``args.log_level``): an
+    EdgeError becomes one line on stderr and exit code 2, not a traceback."""
+    import logging
+    import sys
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except EdgeError as err:
+        print(f"{prog}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2

@@ -13,8 +13,6 @@ their subcommand runs, so ``--help`` and ``--version`` load no torch.
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -101,16 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from edge_client.errors import EdgeError
+    from edge_client.errors import run_command
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except EdgeError as err:  # a clear line, not a traceback
-        print(f"edgespec-bench: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+    return run_command("edgespec-bench", build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

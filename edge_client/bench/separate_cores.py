@@ -1,0 +1,96 @@
+"""One client with the device and the cloud on separate cores, as on a real deployment where
+the draft never shares the verifier's CPU: the verifier on core 1 with one torch thread, the
+client (live ONNX drafts, one onnxruntime thread) on core 0. It reports committed tokens per
+second of speculative generation (Verify rounds and lookahead) against cloud-only streaming
+(Generate) from the same verifier, over prompts of the realistic evaluation set.
+
+    python -m edge_client.bench.separate_cores --per-category 2 --json PATH
+
+Greedy, so every protocol commits the same tokens; tokens/s counts the generation from its
+first message to its last token. Needs two cores (``os.sched_setaffinity``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from edge_client import local_verifier
+from edge_client.bench.eval_set import CATEGORIES, load_eval
+from edge_client.client import EdgeClient, GenerationConfig
+
+PROTOCOLS = ("rounds", "lookahead", "cloud")
+
+
+def _prompt_ids(client: EdgeClient, prompt) -> list[int]:
+    tok = client.tokenizer
+    if not prompt.chat:
+        return tok.encode(prompt.raw)
+    return tok.encode(tok.apply_chat_template(prompt.chat_messages()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="separate_cores", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="target checkpoint (default: prepared)")
+    p.add_argument("--draft-dir", type=Path, default=None)
+    p.add_argument("--per-category", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="injected round-trip time")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("separate_cores needs two cores")
+    prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
+    port = local_verifier.free_port()
+    proc = local_verifier.spawn(port, args.model, ["--threads", "1"])
+    os.sched_setaffinity(proc.pid, {1})
+    os.sched_setaffinity(0, {0})
+    results: dict[str, list[float]] = {name: [] for name in PROTOCOLS}
+    forwards: dict[str, list[float]] = {name: [] for name in PROTOCOLS}
+    try:
+        local_verifier.wait_serving(f"127.0.0.1:{port}", proc)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                                  ignore_eos=True)
+        clients = {name: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=name,
+                                    rtt_ms=args.rtt_ms, intra_op_threads=1)
+                   for name in PROTOCOLS}
+        try:
+            for prompt in prompts:  # the protocols take turns on each prompt
+                outputs = []
+                for name, client in clients.items():
+                    gen = client.generate(_prompt_ids(client, prompt), config)
+                    list(gen)
+                    outputs.append(gen.token_ids)
+                    results[name].append(gen.stats.new_tokens / gen.stats.wall_s)
+                    forwards[name].append(gen.stats.target_forwards / gen.stats.new_tokens)
+                if any(out != outputs[-1] for out in outputs):
+                    print(f"warning: {prompt.id}: protocols committed different text "
+                          "(a near tie in the target's logits)")
+        finally:
+            for client in clients.values():
+                client.close()
+    finally:
+        local_verifier.stop(proc)
+    cloud = statistics.median(results["cloud"])
+    report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "draft_len": args.draft_len, "rtt_ms": args.rtt_ms,
+              "tokens_per_s_median": {k: statistics.median(v) for k, v in results.items()},
+              "target_forwards_per_token_mean": {k: statistics.fmean(v)
+                                                 for k, v in forwards.items()}}
+    report["vs_cloud"] = {k: v / cloud for k, v in report["tokens_per_s_median"].items()}
+    for name in PROTOCOLS:
+        print(f"{name:9s} {report['tokens_per_s_median'][name]:6.1f} tok/s (median of "
+              f"{len(prompts)}), {report['vs_cloud'][name]:.2f}x cloud-only, "
+              f"{report['target_forwards_per_token_mean'][name]:.3f} target forwards/token")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

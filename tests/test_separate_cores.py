@@ -1,0 +1,32 @@
+"""The separate-cores benchmark on the tiny pair: verifier pinned to core 1, client to core 0,
+every protocol measured on the same prompts, cloud-only as the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_it_reports_every_protocol_against_cloud_only(tiny_llama_pair, tmp_path):
+    out = tmp_path / "cores.json"
+    code = ("from edge_client.bench.separate_cores import main\n"
+            f"raise SystemExit(main(['--model', {str(tiny_llama_pair.target_dir)!r}, "
+            f"'--draft-dir', {str(tiny_llama_pair.draft_dir)!r}, '--per-category', '1', "
+            f"'--max-new-tokens', '12', '--json', {str(out)!r}]))")
+    import subprocess
+    import sys
+
+    # Its own process: the benchmark pins itself to core 0.
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 8
+    rates = report["tokens_per_s_median"]
+    assert set(rates) == {"rounds", "lookahead", "cloud"} and min(rates.values()) > 0
+    assert report["vs_cloud"]["cloud"] == pytest.approx(1.0)
+    forwards = report["target_forwards_per_token_mean"]
+    assert forwards["cloud"] == pytest.approx(1.0) and forwards["rounds"] <= 1.0

@@ -271,3 +271,33 @@ def test_on_policy_data_is_written_by_the_draft_and_labelled_by_the_target(data,
     assert "| gen-data `train` |" in card and "| gen-data `onpolicy` |" in card
     assert "| train `run` |" in card and "| train `follow` |" in card
     assert f"written by run `{run}`'s draft" in card
+
+
+def test_gen_data_features_are_the_hidden_states_that_decided_each_token(data, tmp_path):
+    """``--features`` records, for gen token j, the target's final hidden state at the position
+    that decided it: a teacher-forced forward over prompt + continuation gives the same states
+    (to float16), and the same tokens are written as without features."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = GenConfig(target=data["target"], out=tmp_path / "feat", shard_size=4, batch_size=3,
+                    max_new_tokens=10, top_k=8, sample_fraction=0.5, features=True)
+    gen_data(cfg, _prompts(8))
+    with_feat = load_samples(list_shards(cfg.out))
+    plain = load_samples(list_shards(data["train"]))
+    model = AutoModelForCausalLM.from_pretrained(data["target"], dtype=torch.float32).eval()
+    assert len(with_feat) == len(plain) == 8
+    for s, ref in zip(with_feat, plain, strict=True):
+        np.testing.assert_array_equal(s.gen_ids, ref.gen_ids)
+        assert s.features.shape == (len(s.gen_ids), model.config.hidden_size)
+        assert s.features.dtype == np.float16
+        seq = torch.from_numpy(np.concatenate([s.prompt_ids, s.gen_ids]).astype(np.int64))
+        with torch.inference_mode():
+            hidden = model.model(input_ids=seq[None]).last_hidden_state[0]
+        # Position P-1+j decided gen token j.
+        want = hidden[len(s.prompt_ids) - 1 : len(seq) - 1].numpy()
+        np.testing.assert_allclose(s.features.astype(np.float32), want, rtol=2e-2, atol=2e-2)
+        greedy_ids = model.lm_head(torch.from_numpy(s.features.astype(np.float32))).argmax(-1)
+        np.testing.assert_array_equal(greedy_ids.numpy(), s.topk_ids[:, 0])
+    with pytest.raises(ValueError, match="other settings"):
+        gen_data(replace(cfg, features=False), _prompts(8))

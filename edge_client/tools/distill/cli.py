@@ -52,6 +52,9 @@ def parse_args(argv: Sequence[str] | None):
     g.add_argument("--threads", type=int, default=0)
     g.add_argument("--worker", default="0/1",
                    help="i/n: run as worker i of n parallel processes (disjoint shards)")
+    g.add_argument("--features", action="store_true",
+                   help="also record the target's last hidden state at every decision "
+                        "(for drafts conditioned on it)")
     g.add_argument("--draft-run", type=Path, default=None,
                    help="on-policy data: this training run's draft writes the continuations, "
                         "the target labels them")
@@ -129,7 +132,7 @@ def _run(args) -> int:
                            args.max_new_tokens, args.top_k, args.sample_fraction,
                            args.temperature, args.seed, args.max_prompts, args.threads,
                            *map(int, args.worker.split("/")), draft_run=args.draft_run,
-                           prompts_file=args.prompts_file))
+                           prompts_file=args.prompts_file, features=args.features))
     elif args.cmd == "gen-prompts":
         from edge_client.tools.distill.magpie import run_cli
 

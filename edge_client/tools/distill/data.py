@@ -51,6 +51,9 @@ class GenConfig:
     draft_run: Path | None = None
     # A JSONL prompt file (module ``prompt_file``, e.g. from ``gen-prompts``) instead of split.
     prompts_file: Path | None = None
+    # Also record the target's last hidden state at every decision (Sample.features), for
+    # drafts conditioned on it. Target-written data only.
+    features: bool = False
 
 
 def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
@@ -64,6 +67,8 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.features and cfg.draft_run is not None:
+        raise ValueError("--features needs target-written data (no --draft-run)")
     if prompts is None and cfg.prompts_file is not None:
         prompts = load_prompts_file(cfg.prompts_file)
     elif prompts is None:
@@ -133,7 +138,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
 # What a data directory's shards depend on; a resumed run must use the same values.
 _DATA_FIELDS = ("split", "shard_size", "batch_size", "max_new_tokens", "top_k",
                 "sample_fraction", "temperature", "seed", "max_prompts", "draft_run",
-                "prompts_file")
+                "prompts_file", "features")
 
 
 def _check_resume(config_path: Path, cfg: GenConfig) -> None:
@@ -172,11 +177,20 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
     out_tokens: list[list[int]] = [[] for _ in range(n)]
     out_ids: list[list[np.ndarray]] = [[] for _ in range(n)]
     out_logp: list[list[np.ndarray]] = [[] for _ in range(n)]
+    out_feat: list[list[np.ndarray]] = [[] for _ in range(n)]
     alive = torch.arange(n)  # original row of each batch row
     cache = DynamicCache()
+    def step(**kwargs):
+        """Last-position logits (float32) and, with ``cfg.features``, the hidden state the LM
+        head read there (float16 numpy)."""
+        if not cfg.features:
+            return model(**kwargs, use_cache=True).logits[:, -1, :].float(), None
+        hidden = model.model(**kwargs, use_cache=True).last_hidden_state[:, -1, :]
+        return model.lm_head(hidden).float(), hidden.to(torch.float16).numpy()
+
     with torch.inference_mode():
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                       past_key_values=cache, use_cache=True).logits[:, -1, :].float()
+        logits, feat = step(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache)
         next_pos = positions[:, -1] + 1
         for _ in range(cfg.max_new_tokens):
             if record_top_k:  # [b, k]: p at temperature 1
@@ -196,6 +210,8 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
                 out_tokens[r].append(tid)
                 out_ids[r].append(top_ids[j].numpy())
                 out_logp[r].append(top_logp[j].numpy().astype(np.float16))
+                if feat is not None:
+                    out_feat[r].append(feat[j])
                 done[j] = tid in eos
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
@@ -204,13 +220,13 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
                 cache.batch_select_indices(keep)
                 mask, token, next_pos, alive = mask[keep], token[keep], next_pos[keep], alive[keep]
             mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=mask.dtype)], dim=1)
-            logits = model(input_ids=token[:, None], attention_mask=mask,
-                           position_ids=next_pos[:, None], past_key_values=cache,
-                           use_cache=True).logits[:, -1, :].float()
+            logits, feat = step(input_ids=token[:, None], attention_mask=mask,
+                                position_ids=next_pos[:, None], past_key_values=cache)
             next_pos = next_pos + 1
     return [
         Sample(np.asarray(prompts[r]), np.asarray(out_tokens[r]), np.stack(out_ids[r]),
-               np.stack(out_logp[r]), sampled[r])
+               np.stack(out_logp[r]), sampled[r],
+               np.stack(out_feat[r]) if cfg.features else None)
         for r in range(n)
     ]
 

@@ -20,6 +20,10 @@ class Sample:
     topk_ids: np.ndarray  # [G, k] int: row j is p's top-k for gen token j
     topk_logp: np.ndarray  # [G, k] float16 log p, descending
     sampled: bool
+    # [G, H] float16, or None: the target's last hidden state (after its final norm, what its
+    # LM head reads) at the position that decided gen token j. Row 0 is at the prompt's last
+    # token. What a hidden-state-conditioned draft is trained on (``gen-data --features``).
+    features: np.ndarray | None = None
 
 
 def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[int]) -> None:
@@ -32,8 +36,14 @@ def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[in
     biggest = max(int(s.topk_ids.max(initial=0)) for s in samples)
     id_dtype = np.uint16 if biggest < 65536 else np.int32
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    with_features = [s.features is not None for s in samples]
+    if any(with_features) and not all(with_features):
+        raise ValueError("a shard's samples must all have features or none")
+    extra = ({"features": np.concatenate([s.features for s in samples]).astype(np.float16)}
+             if samples and all(with_features) else {})
     np.savez(
         tmp,
+        **extra,
         prompt_ids=prompt_flat.astype(np.int32),
         prompt_offsets=prompt_off,
         gen_ids=gen_flat.astype(np.int32),
@@ -49,6 +59,7 @@ def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[in
 def read_shard(path: Path) -> list[Sample]:
     with np.load(path) as z:
         po, go = z["prompt_offsets"], z["gen_offsets"]
+        features = z["features"] if "features" in z.files else None
         out = []
         for i in range(len(po) - 1):
             g0, g1 = go[i], go[i + 1]
@@ -59,6 +70,7 @@ def read_shard(path: Path) -> list[Sample]:
                     z["topk_ids"][g0:g1].astype(np.int64),
                     z["topk_logp"][g0:g1],
                     bool(z["sampled"][i]),
+                    None if features is None else features[g0:g1],
                 )
             )
     return out

@@ -32,7 +32,13 @@ from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.interceptors import SERVICE_NAME, interceptors
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.quotas import Quota
-from cloud_verifier.tls import PlaintextRefused, ServerTls, check_plaintext, is_loopback
+from cloud_verifier.tls import (
+    PlaintextRefused,
+    ReloadableCredentials,
+    ServerTls,
+    check_plaintext,
+    is_loopback,
+)
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -78,6 +84,7 @@ class VerifierServer:
         self._tasks: list[asyncio.Task] = []
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self._certificates: ReloadableCredentials | None = None
 
     async def start(self) -> int:
         server = grpc.aio.server(
@@ -95,8 +102,11 @@ class VerifierServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{self.config.host}:{self.config.port}"
         tls = self.config.tls
-        self.port = (server.add_insecure_port(address) if tls is None
-                     else server.add_secure_port(address, tls.credentials()))
+        if tls is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self._certificates = ReloadableCredentials(tls)
+            self.port = server.add_secure_port(address, self._certificates.credentials)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         await server.start()
@@ -119,10 +129,13 @@ class VerifierServer:
                  ", API keys" if self.keys.enabled else ", no authentication")
         return self.port
 
-    def reload_keys(self) -> bool:
-        """Re-reads the API key file (SIGHUP); streams of removed keys end at their next
-        reply, other sessions are untouched."""
-        return self.keys.reload()
+    def reload(self) -> bool:
+        """SIGHUP: re-reads the API key file (streams of removed keys end at their next reply,
+        other sessions are untouched) and the TLS files (for new connections). What fails to
+        load is kept as it was and logged; returns whether everything reloaded."""
+        keys = self.keys.reload() if self.config.api_keys_file is not None else True
+        certificates = True if self._certificates is None else self._certificates.reload()
+        return keys and certificates
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -287,7 +300,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                       tokens_per_s=args.quota_tokens_per_s,
                       token_burst=args.quota_token_burst)
         if tls is not None:
-            tls.credentials()
+            tls.certificate_configuration()
     except (PlaintextRefused, KeyFileError, ValueError) as err:
         p.error(str(err))
     config = VerifierConfig(
@@ -314,7 +327,7 @@ def _version() -> str:
 
 async def _serve(server: VerifierServer) -> None:
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGHUP, server.reload_keys)  # before health says SERVING
+    loop.add_signal_handler(signal.SIGHUP, server.reload)  # before health says SERVING
     await server.start()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

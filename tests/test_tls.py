@@ -7,6 +7,8 @@ real edge client with the tiny ONNX draft.
 
 from __future__ import annotations
 
+import shutil
+
 import grpc
 import pytest
 from stream_helpers import PROMPT, reference_greedy
@@ -100,6 +102,37 @@ def test_cli_generate_over_mtls(mtls_verifier, tiny_llama_pair, pki, capsys):
     assert "VerifierUnavailable" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="go together"):
         main(base + ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert)])
+
+
+def test_healthcheck_over_mtls(mtls_verifier, pki, capsys):
+    from cloud_verifier.healthcheck import main as healthcheck
+
+    address = ["--address", mtls_verifier.address]
+    assert healthcheck(address + ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client_cert),
+                                  "--tls-key", str(pki.client_key)]) == 0
+    assert "SERVING" in capsys.readouterr().out
+    assert healthcheck(address + ["--tls-ca", str(pki.ca)]) == 1  # no client certificate
+    assert healthcheck(address) == 1  # plaintext
+
+
+def test_certificates_rotate_without_a_restart(target, pki, tmp_path):
+    """reload (what SIGHUP calls) swaps the certificate for new connections; a file that
+    does not load keeps the current one."""
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    shutil.copy(pki.server_cert, cert)
+    shutil.copy(pki.server_key, key)
+    with EmbeddedVerifier(target, VerifierConfig(port=0, tls=ServerTls(cert, key))) as v:
+        assert get_info(v.address, channel_creds(pki.ca)).vocab_size
+        cert.write_text("not a certificate")
+        assert not v.server.reload()
+        assert get_info(v.address, channel_creds(pki.ca)).vocab_size
+        shutil.copy(pki.next_server_cert, cert)
+        shutil.copy(pki.next_server_key, key)
+        assert v.server.reload()
+        assert get_info(v.address, channel_creds(pki.rogue_ca)).vocab_size
+        with pytest.raises(grpc.RpcError) as err:
+            get_info(v.address, channel_creds(pki.ca))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_server_refuses_plaintext_off_loopback(target, pki):

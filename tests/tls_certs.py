@@ -2,7 +2,8 @@
 
 ``make_pki(dir)`` writes a CA, a server certificate for localhost / 127.0.0.1 signed by it, a
 client certificate signed by it, and a second, unrelated CA with a client certificate of its
-own (what a device that is not ours would present).
+own (what a device that is not ours would present) and a server certificate (what a rotated
+server presents).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class Pki(NamedTuple):
     rogue_ca: Path
     rogue_client_cert: Path
     rogue_client_key: Path
+    next_server_cert: Path
+    next_server_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -59,4 +62,6 @@ def make_pki(d: Path) -> Pki:
                                     "extendedKeyUsage=serverAuth")
     client = _leaf(d, "device", ca, "extendedKeyUsage=clientAuth")
     rogue_client = _leaf(d, "rogue-device", rogue, "extendedKeyUsage=clientAuth")
-    return Pki(ca[0], *server, *client, rogue[0], *rogue_client)
+    next_server = _leaf(d, "next-server", rogue, "subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                                                 "extendedKeyUsage=serverAuth")
+    return Pki(ca[0], *server, *client, rogue[0], *rogue_client, *next_server)

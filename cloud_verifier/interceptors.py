@@ -90,7 +90,7 @@ def _wrap(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMethodHandl
             async with around(context):
                 return await inner(request, context)
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
-    if handler.stream_unary is not None:  # none in edgespec.v1 today
+    if handler.stream_unary is not None:  # none served today
         inner_su = handler.stream_unary
 
         async def stream_unary(requests, context):

@@ -83,6 +83,10 @@ class RoundBatcher:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def queued_for(self, owner: str) -> int:
+        """Rounds of ``owner``'s sessions waiting for the model (its quota)."""
+        return sum(1 for ticket in self._queue if ticket.session.owner == owner)
+
     def submit(self, session: Session, draft: DraftRound, follow_up: bool = False) -> Ticket:
         if len(self._queue) >= self.max_queued_rounds:
             raise Overloaded(f"{len(self._queue)} rounds are queued for the model; back off "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
+from cloud_verifier.quotas import Quota
+from cloud_verifier.tls import ServerTls
 
 
 def key_digest(api_key: str) -> str:
@@ -26,8 +29,20 @@ class VerifierConfig:
     session_ttl_s: float = 300.0
     # Seconds in-flight calls get to finish on shutdown.
     grace_s: float = 5.0
-    # sha256 digests of accepted API keys; empty means no authentication.
+    # Accepted API keys (cloud_verifier.auth): sha256 digests, each key its own tenant;
+    # (digest, tenant) pairs (from the environment); and a file re-read on SIGHUP. All empty
+    # means no authentication.
     api_key_digests: frozenset[str] = field(default_factory=frozenset)
+    api_keys: tuple[tuple[str, str], ...] = ()
+    api_keys_file: Path | None = None
+    # TLS on the API port; None is plaintext, which needs a loopback host or ``insecure``.
+    tls: ServerTls | None = None
+    insecure: bool = False
+    # Limits of each tenant (cloud_verifier.quotas).
+    quota: Quota = field(default_factory=Quota)
+    # A session's most new tokens: what max_new_tokens = 0 means, and the most a client may
+    # ask for; None: only max_context limits it.
+    max_new_tokens_cap: int | None = 2048
     # Continuous batching: new tokens per forward, and how long to wait for more rounds.
     max_batch_tokens: int = 512
     gather_window_s: float = 0.0
@@ -47,8 +62,10 @@ class VerifierConfig:
     # Closed sessions' KV caches kept for prompts that start with the same tokens
     # (cloud_verifier.prefix_cache), at most this many bytes; 0 disables prefix caching.
     prefix_cache_bytes: int = 256 * 2**20
-    # Prometheus HTTP port; None disables the endpoint.
+    # Prometheus HTTP port; None disables the endpoint. It has no authentication, so it
+    # listens on loopback unless told otherwise.
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_draft_len <= 256:
@@ -61,5 +78,7 @@ class VerifierConfig:
             raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        if self.max_new_tokens_cap is not None and self.max_new_tokens_cap < 1:
+            raise ValueError(f"max_new_tokens_cap must be >= 1, got {self.max_new_tokens_cap}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")

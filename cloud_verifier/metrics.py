@@ -14,6 +14,7 @@ class VerifierMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._http = None  # the /metrics server, once serve_http started it
         r = self.registry
         self.rounds = Counter("edgespec_verify_rounds", "Verification rounds applied.",
                               registry=r)
@@ -60,7 +61,12 @@ class VerifierMetrics:
             "received yet, or drafting did not pay), unsure (fresh, but its confidences made "
             "no draft worth verifying).", ["lookahead"], registry=r)
         self.evictions = Counter("edgespec_session_evictions",
-                                 "Sessions evicted, by reason.", ["reason"], registry=r)
+                                 "Sessions evicted, by reason (kv_budget, ttl, fair_share).",
+                                 ["reason"], registry=r)
+        self.quota_rejections = Counter(
+            "edgespec_quota_rejections",
+            "Calls refused because a tenant was over a quota, by quota (sessions, "
+            "queued_rounds, tokens_per_s).", ["quota"], registry=r)
         self.preemptions = Counter(
             "edgespec_num_preemptions",
             "Sessions whose KV cache was dropped for an older session's round under the KV "
@@ -94,5 +100,13 @@ class VerifierMetrics:
             "Fitted cost of one more token in a forward, relative to the fixed cost.",
             registry=r)
 
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serves /metrics on ``addr:port`` (no authentication); returns the bound port."""
+        self._http, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return self._http.server_address[1]
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

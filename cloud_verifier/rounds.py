@@ -9,7 +9,9 @@ Nothing here knows about protobuf or gRPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from cloud_verifier.draft_policy import (
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import (
     Draining,
+    InvalidRequest,
     RoundOutOfOrder,
     SessionEvicted,
     SessionExpired,
@@ -31,6 +34,7 @@ from cloud_verifier.errors import (
 )
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.prefix_cache import PrefixCache
+from cloud_verifier.quotas import QuotaExceeded, TenantQuotas, fair_share_victim
 from cloud_verifier.sessions import Session, SessionStore, short_id
 
 if TYPE_CHECKING:
@@ -77,6 +81,7 @@ class RoundRunner:
         self.store = SessionStore(config.max_sessions, config.session_ttl_s,
                                   on_close=self._retire_kv)
         self.draining = False
+        self.quotas = TenantQuotas(config.quota)
         self._background: set[asyncio.Task] = set()
         # Rounds of all sessions queue here and share forwards.
         self.batcher = RoundBatcher(engine, metrics, config.max_batch_tokens,
@@ -96,9 +101,14 @@ class RoundRunner:
             raise Draining("the verifier is shutting down; open the session on another one")
         if params.first_draft is not None:  # fail before creating anything
             self.engine.check_room(len(params.prompt), len(params.first_draft.tokens))
+        max_new_tokens = self._max_new_tokens(params.max_new_tokens)
         self.expire()
+        with self._counting_quota():
+            self.quotas.check_session(owner, self.store.held()[owner])
+        if self.store.full:
+            self._evict_for(owner)
         session = self.store.create(owner, params.sampling, params.prompt,
-                                    params.max_new_tokens, params.stop_token_ids)
+                                    max_new_tokens, params.stop_token_ids)
         self.metrics.active_sessions.set(len(self.store))
         session.kv = self.prefix_cache.restore(owner, params.prompt)
         self.metrics.prefix_cache_queries.inc(len(params.prompt) - 1)
@@ -109,6 +119,38 @@ class RoundRunner:
                  short_id(session.id), len(params.prompt), session.cache_len,
                  "greedy" if params.sampling.is_greedy else "sampling", routing_key or "-")
         return session
+
+    def _max_new_tokens(self, asked: int) -> int:
+        """A session's max_new_tokens under the server's cap (0 asks for the cap)."""
+        cap = self.config.max_new_tokens_cap
+        if cap is None:
+            return asked
+        if asked > cap:
+            raise InvalidRequest(f"max_new_tokens {asked} is above this verifier's cap of "
+                                 f"{cap}; ask for at most {cap} (0 means {cap})",
+                                 field="max_new_tokens")
+        return asked or cap
+
+    def _evict_for(self, owner: str) -> None:
+        """In a full table: evicts an idle session of the tenant holding the most, if that is
+        fair to ``owner`` (quotas.fair_share_victim)."""
+        victim = fair_share_victim(self.store.idle_lru(), self.store.held(), owner,
+                                   time.monotonic())
+        if victim is None:
+            return
+        log.info("evicting idle session %s for another tenant's new one (fair share)",
+                 short_id(victim.id))
+        victim.evicted = True
+        self.close(victim)
+        self.metrics.evictions.labels("fair_share").inc()
+
+    @contextlib.contextmanager
+    def _counting_quota(self):
+        try:
+            yield
+        except QuotaExceeded as exc:
+            self.metrics.quota_rejections.labels(exc.quota).inc()
+            raise
 
     def close(self, session: Session) -> None:
         session.finished = True
@@ -204,11 +246,16 @@ class RoundRunner:
     async def _locked_round(self, session: Session, round_no: int, draft: DraftRound,
                             handle: _Handle, follow_up: bool) -> RoundResult:
         async with session.lock:
+            with self._counting_quota():
+                await self.quotas.pace(session.owner)
             if handle.abandoned:
                 raise RoundAbandoned()
             self._check_open(session, round_no)
+            with self._counting_quota():
+                self.quotas.check_round(session.owner, self.batcher.queued_for(session.owner))
             ticket = self.batcher.submit(session, draft, follow_up)
             handle.ticket = ticket
+            self.quotas.charge(session.owner, ticket.num_tokens)
             try:
                 outcome = await ticket.future
             except (VerifierError, RoundAbandoned):

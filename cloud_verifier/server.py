@@ -1,7 +1,9 @@
 """The verifier process: gRPC server with health and reflection, graceful shutdown, CLI.
 
 Shutdown is graceful: health turns NOT_SERVING, new sessions get UNAVAILABLE (DRAINING), and
-in-flight calls get ``grace_s`` seconds through ``server.stop(grace)``.
+in-flight calls get ``grace_s`` seconds through ``server.stop(grace)``. SIGHUP re-reads the
+API key file (docs/security.md); the API port serves TLS, or plaintext on loopback only
+unless ``--insecure`` (cloud_verifier.tls).
 
 Modules that import torch are imported where they are used, so that ``edgespec-verifier
 --help`` and ``--version`` answer at once on a machine where importing torch takes seconds.
@@ -13,6 +15,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -23,10 +26,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cloud_verifier import torch_thread
-from cloud_verifier.config import VerifierConfig, key_digest
+from cloud_verifier.auth import ENV_VAR, KeyFileError, KeyRing, default_tenant, parse_env
+from cloud_verifier.config import VerifierConfig
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.interceptors import SERVICE_NAME, interceptors
 from cloud_verifier.metrics import VerifierMetrics
+from cloud_verifier.quotas import Quota
+from cloud_verifier.tls import (
+    PlaintextRefused,
+    ReloadableCredentials,
+    ServerTls,
+    check_plaintext,
+    is_loopback,
+)
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -54,7 +66,10 @@ class VerifierServer:
         from cloud_verifier.service import ModelInfo, VerifierService
 
         max_context = min(config.max_context or target.max_context, target.max_context)
+        check_plaintext(config.host, config.tls, config.insecure)  # before the model work
         self.config = config
+        self.keys = KeyRing({**{d: default_tenant(d) for d in config.api_key_digests},
+                             **dict(config.api_keys)}, config.api_keys_file)
         self.metrics = VerifierMetrics()
         if supports_packing(target.model):  # now, not in the first client's forward
             torch_thread.run(packed_weights, target.model)
@@ -68,10 +83,12 @@ class VerifierServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task] = []
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._certificates: ReloadableCredentials | None = None
 
     async def start(self) -> int:
         server = grpc.aio.server(
-            interceptors=interceptors(self.config.api_key_digests, self.metrics),
+            interceptors=interceptors(self.keys, self.metrics),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                      # Clients ping every 10 s to notice a dead peer (edge_client.connection);
@@ -83,22 +100,42 @@ class VerifierServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        tls = self.config.tls
+        if tls is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self._certificates = ReloadableCredentials(tls)
+            self.port = server.add_secure_port(address, self._certificates.credentials)
         if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+            raise OSError(f"could not bind {address}")
         await server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port is not None:
-            self.metrics.serve_http(self.config.metrics_port, self.config.host)
+            self.metrics_port = self.metrics.serve_http(self.config.metrics_port,
+                                                        self.config.metrics_host)
+        if not self.keys.enabled and not is_loopback(self.config.host):
+            log.warning("serving on %s without API keys: anyone who reaches the port may "
+                        "use the verifier (--api-keys-file, %s)", self.config.host, ENV_VAR)
         self._tasks = [
             asyncio.ensure_future(self.service.batcher.run_forever()),
             asyncio.ensure_future(
                 self.service.expire_forever(min(30.0, self.config.session_ttl_s / 4))),
         ]
         self._server = server
-        log.info("verifier serving %s on %s:%d", self.service.info.name, self.config.host,
-                 self.port)
+        log.info("verifier serving %s on %s:%d (%s%s)", self.service.info.name,
+                 self.config.host, self.port,
+                 "plaintext" if tls is None else "mTLS" if tls.client_ca else "TLS",
+                 ", API keys" if self.keys.enabled else ", no authentication")
         return self.port
+
+    def reload(self) -> bool:
+        """SIGHUP: re-reads the API key file (streams of removed keys end at their next reply,
+        other sessions are untouched) and the TLS files (for new connections). What fails to
+        load is kept as it was and logged; returns whether everything reloaded."""
+        keys = self.keys.reload() if self.config.api_keys_file is not None else True
+        certificates = True if self._certificates is None else self._certificates.reload()
+        return keys and certificates
 
     async def _set_health(self, status) -> None:
         for name in ("", SERVICE_NAME):
@@ -114,6 +151,7 @@ class VerifierServer:
         if self._server is not None:
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
         await self.service.finish_background()
+        self.metrics.stop_http()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -171,8 +209,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                    help="torch intra-op threads for the target (default: torch's, one per core)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda when supported, float32 on cpu")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address of the API port; other than loopback it needs TLS "
+                        "(--tls-cert, --tls-key) or --insecure")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--tls-cert", type=Path, default=None,
+                   help="PEM certificate chain of the API port (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", type=Path, default=None,
+                   help="PEM CA bundle: clients must present a certificate it signed (mTLS)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plaintext on a non-loopback --host (e.g. behind a proxy on this "
+                        "host that terminates TLS): API keys and prompts travel in the clear")
     p.add_argument("--max-draft-len", type=int, default=16)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--max-sessions", type=int, default=64)
@@ -203,8 +251,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
     p.add_argument("--api-keys-file", type=Path, default=None,
-                   help="file with one API key per line; enables authentication")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
+                   help="file of API keys, one 'KEY [TENANT]' a line, re-read on SIGHUP; "
+                        f"enables authentication (so does {ENV_VAR}; see docs/security.md)")
+    p.add_argument("--quota-sessions", type=int, default=None,
+                   help="open sessions one tenant may hold (default: no limit but "
+                        "--max-sessions, shared fairly when full)")
+    p.add_argument("--quota-queued-rounds", type=int, default=None,
+                   help="rounds one tenant may have waiting for the model (default: no "
+                        "limit but --max-queued-rounds)")
+    p.add_argument("--quota-tokens-per-s", type=float, default=None,
+                   help="target tokens a second one tenant may use: prompt tokens not in the "
+                        "prefix cache, draft tokens, one per step (default: no limit)")
+    p.add_argument("--quota-token-burst", type=float, default=None,
+                   help="tokens a tenant may use at once before --quota-tokens-per-s paces "
+                        "it (default: one second's worth)")
+    p.add_argument("--max-new-tokens-cap", type=int, default=2048,
+                   help="most new tokens of one session: what max_new_tokens = 0 means, and "
+                        "the most a client may ask for; 0: only the context limits it")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus HTTP port (no authentication)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics port (default loopback: a scraper on this "
+                        "host or pod)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.verify_token_cost < 0 or args.verify_session_cost < 0:
@@ -215,12 +283,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         p.error("--prefix-cache-mb must be >= 0")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
-    digests: frozenset[str] = frozenset()
-    if args.api_keys_file is not None:
-        keys = [k.strip() for k in args.api_keys_file.read_text().splitlines() if k.strip()]
-        if not keys:
-            p.error(f"{args.api_keys_file} holds no API keys")
-        digests = frozenset(key_digest(k) for k in keys)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        p.error("--tls-client-ca needs --tls-cert and --tls-key")
+    if args.max_new_tokens_cap < 0:
+        p.error("--max-new-tokens-cap must be >= 0")
+    tls = None if args.tls_cert is None else ServerTls(args.tls_cert, args.tls_key,
+                                                       args.tls_client_ca)
+    try:
+        check_plaintext(args.host, tls, args.insecure)
+        env_keys = parse_env(os.environ.get(ENV_VAR, ""))
+        if args.api_keys_file is not None:
+            KeyRing(path=args.api_keys_file)  # fail now, with the reason
+        quota = Quota(sessions=args.quota_sessions, queued_rounds=args.quota_queued_rounds,
+                      tokens_per_s=args.quota_tokens_per_s,
+                      token_burst=args.quota_token_burst)
+        if tls is not None:
+            tls.certificate_configuration()
+    except (PlaintextRefused, KeyFileError, ValueError) as err:
+        p.error(str(err))
     config = VerifierConfig(
         host=args.host, port=args.port, max_draft_len=args.max_draft_len,
         max_context=args.max_context, max_sessions=args.max_sessions,
@@ -230,7 +312,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         kv_wait_s=args.kv_wait, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
         session_ttl_s=args.session_ttl, grace_s=args.grace,
-        api_key_digests=digests, metrics_port=args.metrics_port)
+        api_keys=tuple(env_keys.items()), api_keys_file=args.api_keys_file, tls=tls,
+        insecure=args.insecure, quota=quota, max_new_tokens_cap=args.max_new_tokens_cap or None,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     return args, config
 
 
@@ -242,9 +326,10 @@ def _version() -> str:
 
 
 async def _serve(server: VerifierServer) -> None:
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, server.reload)  # before health says SERVING
     await server.start()
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

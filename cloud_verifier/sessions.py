@@ -12,6 +12,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +95,14 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    @property
+    def full(self) -> bool:
+        return len(self._sessions) >= self._max
+
+    def held(self) -> Counter[str]:
+        """Open sessions by owner."""
+        return Counter(s.owner for s in self._sessions.values())
 
     def create(self, owner: str, sampling: SamplingParams, prompt: list[int],
                max_new_tokens: int, stop_token_ids: frozenset[int]) -> Session:

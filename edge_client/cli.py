@@ -48,6 +48,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="with --embedded: the target checkpoint (default: prepared SmolLM2)")
     p.add_argument("--api-key", default=os.environ.get("EDGESPEC_API_KEY"),
                    help="bearer key for an authenticated verifier (env EDGESPEC_API_KEY)")
+    p.add_argument("--tls-ca", type=Path, default=None,
+                   help="PEM CA bundle that signed the verifier's certificate: use TLS "
+                        "(plaintext is for loopback addresses, or --insecure)")
+    p.add_argument("--tls-cert", type=Path, default=None,
+                   help="this device's PEM certificate, for a verifier that asks (mTLS)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a plaintext channel to a non-loopback verifier")
     p.add_argument("--rtt-ms", type=float, default=0.0,
                    help="inject this round-trip time into every message (network emulation)")
     p.add_argument("--retry-budget-s", type=float, default=60.0,
@@ -71,15 +79,20 @@ def verifier_address(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationConfig
-    from edge_client.connection import RetryPolicy
+    from edge_client.connection import ClientTls, RetryPolicy
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter)
     # With --json -, stdout carries only the JSON object; the text streams to stderr.
     out = sys.stderr if args.json == "-" else sys.stdout
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("edge-client: --tls-cert and --tls-key go together")
+    tls = (ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
+           if args.tls_ca or args.tls_cert else None)
     with verifier_address(args) as address, EdgeClient(
-            address, args.draft_dir, api_key=args.api_key, rtt_ms=args.rtt_ms,
+            address, args.draft_dir, api_key=args.api_key, tls=tls, insecure=args.insecure,
+            rtt_ms=args.rtt_ms,
             protocol=args.protocol, retry=RetryPolicy(budget_s=args.retry_budget_s)) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         for piece in generation.text():

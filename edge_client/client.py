@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
-from edge_client.connection import Connection, Deadlines, RetryPolicy
+from edge_client.connection import ClientTls, Connection, Deadlines, RetryPolicy
 from edge_client.core import GenerationStats, generate, model_proposer
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling
@@ -96,13 +96,18 @@ class GenerationConfig:
 
 
 class AsyncEdgeClient:
-    """A draft model on this device and a connection to one verifier."""
+    """A draft model on this device and a connection to one verifier.
+
+    ``tls``: a TLS channel (``ClientTls(ca=..., cert=..., key=...)``); without it the
+    channel is plaintext, allowed to a loopback address or with ``insecure=True``.
+    """
 
     def __init__(self, address: str, draft_dir: str | Path | None = None, *,
                  api_key: str | None = None, protocol: str = ROUNDS,
                  deadlines: Deadlines | None = None, retry: RetryPolicy | None = None,
                  rtt_ms: float = 0.0, link: Link | None = None,
-                 intra_op_threads: int | None = None) -> None:
+                 intra_op_threads: int | None = None, tls: ClientTls | None = None,
+                 insecure: bool = False) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         draft_dir = Path(draft_dir) if draft_dir is not None else default_draft_dir()
@@ -111,7 +116,8 @@ class AsyncEdgeClient:
         self.protocol = protocol
         self.conn = Connection(address, api_key, deadlines or Deadlines(), retry or RetryPolicy(),
                                link if link is not None else
-                               (DelayLink(rtt_ms) if rtt_ms else None))
+                               (DelayLink(rtt_ms) if rtt_ms else None), tls=tls,
+                               insecure=insecure)
         # Measured rates of drafting vs cloud-side decoding on this connection.
         self.chooser = RateChooser()
         self.info = None

@@ -14,19 +14,25 @@ from its text:
 
 Everything else (bad input, authentication, a bug the verifier reports) is raised. A
 generation gives up when it has made no progress for ``RetryPolicy.budget_s``.
+
+The channel is TLS when given ``ClientTls`` (with a client certificate for mutual TLS), and
+plaintext only to a loopback address unless ``insecure`` says so: the API key and the
+prompt would cross the network in the clear.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
 
-from edge_client.errors import RequestRejected, VerifierUnavailable
+from edge_client.errors import EdgeError, RequestRejected, VerifierUnavailable
 from edge_client.link import Link
 from shared import errors
 from shared.pb import verifier_pb2 as pb
@@ -64,6 +70,54 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s or self.budget_s < 0:
             raise ValueError("need 0 <= base_delay_s <= max_delay_s and budget_s >= 0")
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS to the verifier: ``ca`` verifies its certificate (None: the system's roots);
+    ``cert`` and ``key`` are this device's, for a verifier that asks (mutual TLS);
+    ``server_name`` overrides the name checked in its certificate (default: the host)."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate and its key go together")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: Path | None) -> bytes | None:
+            return None if path is None else Path(path).read_bytes()
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca),
+                                            private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+
+class PlaintextRefused(EdgeError, ValueError):
+    """A plaintext channel was asked for to a host other than this machine."""
+
+
+def is_loopback_address(address: str) -> bool:
+    """True for ``localhost:port``, ``127.x.x.x:port``, ``[::1]:port`` and ``unix:`` paths."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    if target.startswith("["):
+        host = target[1:target.find("]")]
+    elif target.count(":") == 1:
+        host = target.split(":", 1)[0]
+    else:
+        host = target  # no port, or a bare IPv6 address
+    host = host.lower()
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def is_retryable(details: errors.ErrorDetails) -> bool:
@@ -112,12 +166,19 @@ class Backoff:
 
 class Connection:
     """An asyncio gRPC channel to one verifier. ``routing_key`` names a generation: every call
-    of it carries the same key (reopens included), so a gateway keeps it on one replica."""
+    of it carries the same key (reopens included), so a gateway keeps it on one replica.
+    ``tls``: a TLS channel; without it the channel is plaintext, which is refused for an
+    address off this machine unless ``insecure``."""
 
     def __init__(self, address: str, api_key: str | None = None,
                  deadlines: Deadlines = Deadlines(), retry: RetryPolicy = RetryPolicy(),
-                 link: Link | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 link: Link | None = None, tls: ClientTls | None = None,
+                 insecure: bool = False) -> None:
+        if tls is None and not insecure and not is_loopback_address(address):
+            raise PlaintextRefused(
+                f"refusing a plaintext channel to {address}, off this machine: the API key "
+                "and the prompt would travel in the clear. Use TLS (--tls-ca, or ClientTls), "
+                "or say insecure (--insecure) if the network is trusted")
         self.address = address
         self.deadlines = deadlines
         self.retry = retry
@@ -136,8 +197,10 @@ class Connection:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1_000),
         ]
-        self.channel = (grpc.aio.secure_channel(address, credentials, options=options)
-                        if credentials is not None
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self.channel = (grpc.aio.secure_channel(address, tls.credentials(), options=options)
+                        if tls is not None
                         else grpc.aio.insecure_channel(address, options=options))
         self.stub = pb_grpc.VerifierServiceStub(self.channel)
         self.routing_key = new_routing_key()  # for calls outside a generation

@@ -140,6 +140,7 @@ def test_training_reduces_the_chain_loss(data, trained):
     res = ck["state"]["heldout"]
     assert res["samples"] == 4 and 0 <= res["greedy_alpha"] <= 1
     assert res["tokens_per_round"] >= 1
+    assert "wall time" in (trained / "CARD.md").read_text()
     # The frozen target rows did not move.
     rows = target_tensors(data["target"], {"lm_head.weight"})["lm_head.weight"]
     np.testing.assert_array_equal(head.lm_head.weight.numpy(), rows[vmap.sub_to_full[real]])

@@ -151,6 +151,9 @@ def _add_head_parsers(sub) -> None:
     x.add_argument("--target", type=Path, default=None)
     x.add_argument("--eval-samples", type=int, default=0)
     x.add_argument("--no-quantize", action="store_true")
+    x.add_argument("--keep-fp32", default="down_proj,lm_head",
+                   help="comma-separated MatMul name parts kept at fp32 activations "
+                        "(int8 weights only)")
     x.add_argument("--no-target-timing", action="store_true")
     x.add_argument("--threads", type=int, default=0)
 
@@ -179,6 +182,7 @@ def _run_head(args) -> None:
             torch.set_num_threads(args.threads)
         res = export_head(HeadExportConfig(args.run_dir, args.out, args.heldout, args.target,
                                            args.eval_samples, not args.no_quantize,
+                                           tuple(p for p in args.keep_fp32.split(",") if p),
                                            measure_target=not args.no_target_timing))
         print(json.dumps(jsonable(res), indent=2))
 

@@ -289,7 +289,25 @@ def train_head(cfg: HeadTrainConfig) -> dict:
         save()
     write_json(run / "summary.json", {"arch": asdict(arch), "config": jsonable(asdict(cfg)),
                                       "trained_params": n_train, "state": state})
+    (run / "CARD.md").write_text(_run_card(arch, cfg, state, n_train, vmap.size))
     return state
+
+
+def _run_card(arch: HeadArch, cfg: HeadTrainConfig, state: dict, n_train: int,
+              sub_vocab: int) -> str:
+    last, held = state.get("last", {}), state.get("heldout", {})
+    return "\n".join([
+        "# train-head run", "",
+        f"- arch: {asdict(arch)}, sub-vocabulary {sub_vocab}, {n_train / 1e6:.2f} M trained",
+        f"- data: {', '.join(map(str, as_dirs(cfg.data)))} ({len(state['shards'])} shards)",
+        f"- steps {state['step']}, batch {cfg.batch_size} chains of {cfg.chain_len}, "
+        f"{state['chain_steps_seen']:,} chain steps, lr {cfg.lr}",
+        f"- wall time {state['wall_s'] / 60:.1f} min",
+        f"- last logged: loss {last.get('loss')}, kl {last.get('kl')}, tv {last.get('tv')}, "
+        f"feature {last.get('feature')}",
+        f"- held-out (teacher-forced greedy alpha, K=4): {held.get('greedy_alpha')}, tokens "
+        f"per round {held.get('tokens_per_round')}, step accuracy {held.get('step_accuracy')}",
+        ""])
 
 
 def _fresh_acc() -> dict:

@@ -17,6 +17,9 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
 - ``export``: checkpoint -> HF dir -> ONNX -> dynamic int8 (``quantize``), with a
   MODEL_CARD.md (``card``) holding the held-out acceptance of fp32 and int8.
 - ``evaluate`` (``eval``): held-out acceptance of a checkpoint or of an ONNX draft directory.
+- ``head_model``, ``head_train`` (``train-head``), ``head_eval``, ``head_export``
+  (``export-head``): a one-layer draft head conditioned on the target's final hidden state,
+  run on the edge by ``edge_client.feature_draft`` (``docs/feature-draft.md``).
 - ``prompts``: the distillation prompts (data files) and their fixed held-out split.
 
 Notation as in ``cloud_verifier.verification``: p is the target, q the draft, K the draft

@@ -2,9 +2,10 @@
 
 Subcommands (each one checkpoints; kill it at any moment and rerun the same command):
 ``gen-prompts`` (module ``magpie``), ``gen-data`` (module ``data``), ``train`` (``train``),
-``export`` (``export``) and ``eval`` (``evaluate``); the package docstring says what each
-does. A stage's module is imported when its subcommand runs, and none imports torch at module
-level, so ``--help`` and ``--version`` load no torch.
+``export`` (``export``) and ``eval`` (``evaluate``), and for the draft head conditioned on the
+target's hidden state ``train-head`` (``head_train``) and ``export-head`` (``head_export``);
+the package docstring says what each does. A stage's module is imported when its subcommand
+runs, and none imports torch at module level, so ``--help`` and ``--version`` load no torch.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def parse_args(argv: Sequence[str] | None):
     e.add_argument("--no-target-timing", action="store_true")
     e.add_argument("--threads", type=int, default=0)
 
+    _add_head_parsers(sub)
     v = sub.add_parser("eval", help="held-out acceptance of a run or an ONNX draft dir")
     v.add_argument("what", type=Path, help="a run dir (ckpt.pt) or an ONNX draft dir")
     v.add_argument("--heldout", type=Path, required=True)
@@ -109,6 +111,80 @@ def parse_args(argv: Sequence[str] | None):
     v.add_argument("--eval-samples", type=int, default=0)
     v.add_argument("--threads", type=int, default=0)
     return p.parse_args(argv)
+
+
+def _add_head_parsers(sub) -> None:
+    h = sub.add_parser("train-head", help="train a feature head on gen-data --features data "
+                                          "(resumes from <run-dir>/ckpt.pt)")
+    h.add_argument("--run-dir", type=Path, required=True)
+    h.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="gen-data --features dirs")
+    h.add_argument("--heldout", type=Path, default=None,
+                   help="gen-data --features dir of held-out prompts")
+    h.add_argument("--target", type=Path, default=None)
+    h.add_argument("--sub-vocab", type=int, default=8192, help="0: the full vocabulary")
+    h.add_argument("--intermediate", type=int, default=1536, help="the layer's MLP width")
+    h.add_argument("--max-chain", type=int, default=32,
+                   help="chain positions the runtime accepts")
+    h.add_argument("--chain-len", type=int, default=6, help="unrolled training chain steps")
+    h.add_argument("--steps", type=int, default=2000)
+    h.add_argument("--batch-size", type=int, default=32, help="chains per step")
+    h.add_argument("--lr", type=float, default=1e-3)
+    h.add_argument("--warmup", type=int, default=50)
+    h.add_argument("--tv-weight", type=float, default=1.0)
+    h.add_argument("--feature-weight", type=float, default=1.0)
+    h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--ckpt-every-s", type=float, default=300.0)
+    h.add_argument("--ckpt-every-steps", type=int, default=0)
+    h.add_argument("--eval-every", type=int, default=200)
+    h.add_argument("--eval-samples", type=int, default=64)
+    h.add_argument("--log-every", type=int, default=10)
+    h.add_argument("--threads", type=int, default=0)
+    h.add_argument("--lr-steps", type=int, default=0,
+                   help="cosine horizon (default --steps); fix it to extend a run unchanged")
+
+    x = sub.add_parser("export-head", help="ONNX + int8 + MODEL_CARD.md + feature_head.json "
+                                           "from a train-head run")
+    x.add_argument("--run-dir", type=Path, required=True)
+    x.add_argument("--out", type=Path, required=True)
+    x.add_argument("--heldout", type=Path, default=None)
+    x.add_argument("--target", type=Path, default=None)
+    x.add_argument("--eval-samples", type=int, default=0)
+    x.add_argument("--no-quantize", action="store_true")
+    x.add_argument("--keep-fp32", default="down_proj,lm_head",
+                   help="comma-separated MatMul name parts kept at fp32 activations "
+                        "(int8 weights only)")
+    x.add_argument("--no-target-timing", action="store_true")
+    x.add_argument("--threads", type=int, default=0)
+
+
+def _run_head(args) -> None:
+    if args.cmd == "train-head":
+        from edge_client.tools.distill.head_model import HeadArch
+        from edge_client.tools.distill.head_train import HeadTrainConfig, train_head
+
+        train_head(HeadTrainConfig(
+            args.run_dir, args.data, args.heldout, args.target,
+            HeadArch(args.sub_vocab, args.intermediate, args.max_chain), steps=args.steps,
+            batch_size=args.batch_size, chain_len=args.chain_len, lr=args.lr,
+            warmup=args.warmup, tv_weight=args.tv_weight, feature_weight=args.feature_weight,
+            seed=args.seed, ckpt_every_s=args.ckpt_every_s,
+            ckpt_every_steps=args.ckpt_every_steps, eval_every=args.eval_every,
+            eval_samples=args.eval_samples, threads=args.threads, log_every=args.log_every,
+            lr_steps=args.lr_steps))
+    else:
+        from edge_client.tools.distill.common import jsonable
+        from edge_client.tools.distill.head_export import HeadExportConfig, export_head
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        res = export_head(HeadExportConfig(args.run_dir, args.out, args.heldout, args.target,
+                                           args.eval_samples, not args.no_quantize,
+                                           tuple(p for p in args.keep_fp32.split(",") if p),
+                                           measure_target=not args.no_target_timing))
+        print(json.dumps(jsonable(res), indent=2))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,6 +237,8 @@ def _run(args) -> int:
                                   args.fp32_out, args.eval_samples, not args.no_quantize,
                                   measure_target=not args.no_target_timing))
         print(json.dumps(jsonable(res), indent=2))
+    elif args.cmd in ("train-head", "export-head"):
+        _run_head(args)
     elif args.cmd == "eval":
         from edge_client.tools.distill.evaluate import eval_command
 

@@ -197,6 +197,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
             self.metrics.idle_streams.labels("read").inc()
             log.info("session %s: a reply sat unread for %g s; closing its stream",
                      short_id(session.id), self.config.stalled_reader_s)
+            self.runner.close_soon(session)  # its memory now, not when gRPC lets go
             self._abort(context, StreamIdle(
                 f"a reply sat unread for {self.config.stalled_reader_s:g} s; the session "
                 "is closed: reopen it with the committed context"))

@@ -78,4 +78,7 @@ async def guarded(replies: AsyncIterator[T], streams: LiveStreams, stall_s: floa
     finally:
         evacuate.cancel()
         if upcoming is not None and not upcoming.done():
+            # The call is going away (cancelled, or closed from outside): the handler's own
+            # clean-up runs before the caller closes ``replies``.
             upcoming.cancel()
+            await asyncio.wait({upcoming})

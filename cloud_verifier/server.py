@@ -143,7 +143,7 @@ class VerifierServer:
         if not finished:
             log.info("drain: %d streams still running after %g s; telling them to reopen "
                      "elsewhere", self.service.streams.count, self.config.grace_s)
-            self.service.streams.evacuate.set()
+            self.service.streams.evacuate()
             await self.service.streams.wait_none(EVACUATE_S)
         # Health stays observable for drain_s, however soon the streams ended.
         await asyncio.sleep(max(0.0, started + self.config.drain_s - loop.time()))

@@ -27,7 +27,10 @@ class LiveStreams:
         self._none = asyncio.Event()
         self._none.set()
         # Set when a drain's grace period is over: running streams end with DRAINING.
-        self.evacuate = asyncio.Event()
+        self.evacuating = False
+        # Handler tasks awaiting their next reply (where a cancel lands in edgespec code).
+        self._waiting: set[asyncio.Task] = set()
+        self._evacuated: set[asyncio.Task] = set()
 
     @contextlib.contextmanager
     def track(self):
@@ -49,36 +52,41 @@ class LiveStreams:
         except TimeoutError:
             return False
 
+    def evacuate(self) -> None:
+        """Ends every running stream with DRAINING: those awaiting a reply now (their await
+        is cancelled), the others before their next one."""
+        self.evacuating = True
+        for task in self._waiting:
+            self._evacuated.add(task)
+            task.cancel()
+
 
 async def guarded(replies: AsyncIterator[T], streams: LiveStreams, stall_s: float,
                   on_stall: Callable[[], None],
                   draining_error: Callable[[], Exception]) -> AsyncIterator[T]:
-    """``replies``, ended by ``draining_error()`` once ``streams.evacuate`` is set, with
+    """``replies``, ended by ``draining_error()`` once ``streams`` evacuates, with
     ``on_stall`` called when a reply sits unwritten for ``stall_s``."""
     loop = asyncio.get_running_loop()
-    evacuate = asyncio.ensure_future(streams.evacuate.wait())
-    upcoming: asyncio.Future | None = None
-    try:
-        while True:
-            upcoming = asyncio.ensure_future(anext(replies))
-            await asyncio.wait({upcoming, evacuate}, return_when=asyncio.FIRST_COMPLETED)
-            if not upcoming.done():
-                upcoming.cancel()
-                await asyncio.wait({upcoming})  # let the handler unwind first
-                raise draining_error()
-            try:
-                reply = upcoming.result()
-            except StopAsyncIteration:
-                return
-            timer = loop.call_later(stall_s, on_stall)
-            try:
-                yield reply
-            finally:
-                timer.cancel()
-    finally:
-        evacuate.cancel()
-        if upcoming is not None and not upcoming.done():
-            # The call is going away (cancelled, or closed from outside): the handler's own
-            # clean-up runs before the caller closes ``replies``.
-            upcoming.cancel()
-            await asyncio.wait({upcoming})
+    task = asyncio.current_task()
+    assert task is not None
+    while True:
+        if streams.evacuating:
+            raise draining_error()
+        streams._waiting.add(task)
+        try:
+            reply = await anext(replies)
+        except StopAsyncIteration:
+            return
+        except asyncio.CancelledError:
+            if task not in streams._evacuated:
+                raise
+            streams._evacuated.discard(task)
+            task.uncancel()
+            raise draining_error() from None
+        finally:
+            streams._waiting.discard(task)
+        timer = loop.call_later(stall_s, on_stall)
+        try:
+            yield reply
+        finally:
+            timer.cancel()

@@ -321,3 +321,48 @@ def test_eviction_expiry_and_idling_carry_the_same_reopen_hint_and_the_client_re
     unknown = errors.ErrorDetails(grpc.StatusCode.ABORTED, "SOMETHING_NEW", None, "x",
                                   {errors.REOPEN: errors.REOPEN_WITH_CONTEXT})
     assert is_retryable(unknown) and reopens_at_once(unknown)
+
+
+# -- evacuation (the drain's end) ----------------------------------------------------------
+
+def test_evacuation_ends_a_waiting_stream_and_a_writing_one_with_draining():
+    """One stream awaits its next reply (its await is cancelled), the other is between
+    replies (it ends before asking for the next); both end with the draining error, the
+    replies already yielded kept."""
+    from cloud_verifier.stream_limits import LiveStreams, guarded
+
+    async def run():
+        streams, gate = LiveStreams(), asyncio.Event()
+        cleaned: list[str] = []
+
+        async def replies(name):
+            try:
+                yield 1
+                await gate.wait()
+                yield 2
+            finally:
+                cleaned.append(name)
+
+        async def consume(name, pause: asyncio.Event | None):
+            got = []
+            try:
+                async for reply in guarded(replies(name), streams, 60, lambda: None,
+                                           lambda: RuntimeError("DRAINING")):
+                    got.append(reply)
+                    if pause is not None:
+                        await pause.wait()  # as if gRPC were still writing the reply
+            except RuntimeError as err:
+                return got, str(err)
+            return got, None
+
+        writing = asyncio.Event()
+        tasks = [asyncio.ensure_future(consume("waiting", None)),
+                 asyncio.ensure_future(consume("writing", writing))]
+        await asyncio.sleep(0.05)
+        streams.evacuate()
+        writing.set()
+        return await asyncio.gather(*tasks), cleaned
+
+    results, cleaned = asyncio.run(run())
+    assert results == [([1], "DRAINING"), ([1], "DRAINING")]
+    assert "waiting" in cleaned  # its handler unwound before the error

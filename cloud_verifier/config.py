@@ -9,6 +9,7 @@ from pathlib import Path
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.quotas import Quota
 from cloud_verifier.tls import ServerTls
+from shared.message_limits import MAX_DRAFT_LEN_CEILING
 
 
 def key_digest(api_key: str) -> str:
@@ -27,8 +28,24 @@ class VerifierConfig:
     max_sessions: int = 64
     # A session idle for this long is closed and its KV cache freed.
     session_ttl_s: float = 300.0
-    # Seconds in-flight calls get to finish on shutdown.
-    grace_s: float = 5.0
+    # Drain (SIGTERM): health says NOT_SERVING for at least drain_s while the port stays
+    # open, and running generations get up to grace_s (from the signal) to finish; those
+    # still running are then told to reopen elsewhere (DRAINING).
+    grace_s: float = 25.0
+    drain_s: float = 5.0
+    # Entries of one draft position's q (SparseDistribution) accepted; bounds the message
+    # size limits (shared.message_limits) together with max_context and max_draft_len.
+    max_q_support: int = 256
+    # Idle streams: one that sends no open within open_timeout_s, or whose reader leaves a
+    # Step unread for stalled_reader_s, is closed (STREAM_IDLE). A Verify-rounds session
+    # that sends nothing for session_ttl_s expires (SESSION_EXPIRED).
+    open_timeout_s: float = 10.0
+    stalled_reader_s: float = 60.0
+    # HTTP/2 keepalive: the server pings a quiet client every keepalive_s to notice a dead
+    # one, and lets clients ping it as often as every min_client_ping_s (the reference
+    # client pings every 10 s); faster pingers get GOAWAY too_many_pings.
+    keepalive_s: float = 60.0
+    min_client_ping_s: float = 5.0
     # Accepted API keys (cloud_verifier.auth): sha256 digests, each key its own tenant;
     # (digest, tenant) pairs (from the environment); and a file re-read on SIGHUP. All empty
     # means no authentication.
@@ -68,8 +85,9 @@ class VerifierConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_draft_len <= 256:
-            raise ValueError(f"max_draft_len must be in [0, 256], got {self.max_draft_len}")
+        if not 0 <= self.max_draft_len <= MAX_DRAFT_LEN_CEILING:
+            raise ValueError(f"max_draft_len must be in [0, {MAX_DRAFT_LEN_CEILING}], got "
+                             f"{self.max_draft_len}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.kv_wait_s < 0:
@@ -82,3 +100,9 @@ class VerifierConfig:
             raise ValueError(f"max_new_tokens_cap must be >= 1, got {self.max_new_tokens_cap}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        if self.max_q_support < 1:
+            raise ValueError(f"max_q_support must be >= 1, got {self.max_q_support}")
+        for name in ("grace_s", "drain_s", "open_timeout_s", "stalled_reader_s",
+                     "keepalive_s", "min_client_ping_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

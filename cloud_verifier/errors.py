@@ -22,10 +22,14 @@ class VerifierError(Exception):
     code = grpc.StatusCode.INTERNAL
     reason = reasons.INTERNAL
     retry_after_s: float | None = None
+    # The session was closed with nothing lost: ErrorInfo carries the reopen hint.
+    reopen = False
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.metadata: dict[str, str] = {} if field is None else {"field": field}
+        if self.reopen:
+            self.metadata[reasons.REOPEN] = reasons.REOPEN_WITH_CONTEXT
 
 
 class InvalidRequest(VerifierError):
@@ -47,6 +51,7 @@ class SessionEvicted(VerifierError):
 
     code = grpc.StatusCode.NOT_FOUND
     reason = reasons.SESSION_EVICTED
+    reopen = True
 
 
 class SessionExpired(VerifierError):
@@ -54,6 +59,16 @@ class SessionExpired(VerifierError):
 
     code = grpc.StatusCode.NOT_FOUND
     reason = reasons.SESSION_EXPIRED
+    reopen = True
+
+
+class StreamIdle(VerifierError):
+    """A stream sent no open in time, or its reader left a Step unread too long; its session
+    (if any) is closed and the client reopens with its context."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = reasons.STREAM_IDLE
+    reopen = True
 
 
 class RoundOutOfOrder(VerifierError):

@@ -31,6 +31,19 @@ class VerifierMetrics:
                                          "Requests answered with an error, by status code.",
                                          ["code"], registry=r)
         self.active_sessions = Gauge("edgespec_active_sessions", "Open sessions.", registry=r)
+        self.undecodable_messages = Counter(
+            "edgespec_undecodable_messages",
+            "Request messages that did not decode (answered INVALID_ARGUMENT), by method.",
+            ["method"], registry=r)
+        self.idle_streams = Counter(
+            "edgespec_idle_streams_closed",
+            "Streams closed for idling, by what they failed to do: open (no open message in "
+            "time), read (a Step left unread), send (a Verify-rounds session silent past its "
+            "TTL).", ["idle"], registry=r)
+        self.drained_streams = Counter(
+            "edgespec_drained_streams",
+            "Streams still running when a drain's grace period ended (told DRAINING).",
+            registry=r)
         self.queue_seconds = Histogram("edgespec_verify_queue_seconds",
                                        "Time a round waited for the model.",
                                        buckets=_LATENCY_BUCKETS, registry=r)

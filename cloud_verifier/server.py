@@ -1,9 +1,15 @@
-"""The verifier process: gRPC server with health and reflection, graceful shutdown, CLI.
+"""The verifier process: gRPC server with health and reflection, graceful drain, CLI.
 
-Shutdown is graceful: health turns NOT_SERVING, new sessions get UNAVAILABLE (DRAINING), and
-in-flight calls get ``grace_s`` seconds through ``server.stop(grace)``. SIGHUP re-reads the
-API key file (docs/security.md); the API port serves TLS, or plaintext on loopback only
-unless ``--insecure`` (cloud_verifier.tls).
+Drain (SIGTERM, ``VerifierServer.drain``): health turns NOT_SERVING at once and stays
+observable on the open port for at least ``drain_s``; new sessions get UNAVAILABLE
+(DRAINING), while running sessions go on, Verify rounds included. Generations get up to
+``grace_s`` from the signal to finish; those still running then end with DRAINING (and
+RetryInfo), so their clients reopen on another replica with their committed context.
+SIGHUP re-reads the API key file and the certificates (docs/security.md); the API port
+serves TLS, or plaintext on loopback only unless ``--insecure`` (cloud_verifier.tls).
+
+Message size limits come from the protocol's caps (shared.message_limits), not a round
+number: a request past the largest valid one is refused by gRPC before it is parsed.
 
 Modules that import torch are imported where they are used, so that ``edgespec-verifier
 --help`` and ``--version`` answer at once on a machine where importing torch takes seconds.
@@ -39,14 +45,18 @@ from cloud_verifier.tls import (
     check_plaintext,
     is_loopback,
 )
+from cloud_verifier.undecodable import UndecodableInterceptor
+from shared.message_limits import max_reply_bytes, max_request_bytes
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from cloud_verifier.target_model import LoadedTarget
 
 log = logging.getLogger(__name__)
-# Drafts carry sparse q, so requests stay small; this bounds what one call may cost to parse.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Health and reflection replies (file descriptors) share the send limit with the service.
+MIN_SEND_BYTES = 1024 * 1024
+# Streams still running after an evacuation get this long to end before the server stops.
+EVACUATE_S = 2.0
 
 
 def load_served_target(path: str | Path | None = None, device: str | None = None,
@@ -86,16 +96,30 @@ class VerifierServer:
         self.metrics_port: int | None = None
         self._certificates: ReloadableCredentials | None = None
 
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Message size limits from the caps, and keepalive both ways."""
+        c = self.config
+        return [
+            ("grpc.max_receive_message_length", max_request_bytes(self.service.limits.caps())),
+            ("grpc.max_send_message_length", max(max_reply_bytes(c.max_draft_len),
+                                                 MIN_SEND_BYTES)),
+            # Ping a quiet client to notice a dead one (and free its sessions).
+            ("grpc.keepalive_time_ms", int(c.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(min(20.0, c.keepalive_s) * 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Clients ping every 10 s (edge_client.connection), on quiet streams too: gRPC's
+            # default (one ping per 5 min without data) would answer them with GOAWAY
+            # too_many_pings, cutting every session on the connection. Faster pingers still
+            # get it after gRPC's default two strikes.
+            ("grpc.http2.min_ping_interval_without_data_ms", int(c.min_client_ping_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+
     async def start(self) -> int:
         server = grpc.aio.server(
-            interceptors=interceptors(self.keys, self.metrics),
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                     # Clients ping every 10 s to notice a dead peer (edge_client.connection);
-                     # gRPC's default policy would answer such pings on a quiet stream with
-                     # GOAWAY, cutting every session on the connection.
-                     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-                     ("grpc.http2.max_ping_strikes", 0)])
+            interceptors=[*interceptors(self.keys, self.metrics),
+                          UndecodableInterceptor(self.metrics)],
+            options=self.grpc_options())
         pb_grpc.add_VerifierServiceServicer_to_server(self.service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -145,6 +169,22 @@ class VerifierServer:
         """Stop taking new sessions and tell health checkers; running sessions go on."""
         self.service.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def drain(self) -> None:
+        """SIGTERM: the drain of the module docstring, then stop."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await self.begin_drain()
+        log.info("draining: NOT_SERVING; %d streams running", self.service.streams.count)
+        finished = await self.service.streams.wait_none(self.config.grace_s)
+        if not finished:
+            log.info("drain: %d streams still running after %g s; telling them to reopen "
+                     "elsewhere", self.service.streams.count, self.config.grace_s)
+            self.service.streams.evacuate()
+            await self.service.streams.wait_none(EVACUATE_S)
+        # Health stays observable for drain_s, however soon the streams ended.
+        await asyncio.sleep(max(0.0, started + self.config.drain_s - loop.time()))
+        await self.stop(0)
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.begin_drain()
@@ -249,7 +289,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
                         "same tokens (per API key; counted in --kv-budget-mb and freed first "
                         "under memory pressure); 0 disables prefix caching")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds")
-    p.add_argument("--grace", type=float, default=5.0, help="shutdown grace seconds")
+    p.add_argument("--grace", type=float, default=25.0,
+                   help="seconds running generations get to finish after SIGTERM; the rest "
+                        "are then told to reopen elsewhere (DRAINING)")
+    p.add_argument("--drain-notice", type=float, default=5.0,
+                   help="seconds health reports NOT_SERVING, port open, after SIGTERM "
+                        "before the server stops (at least)")
+    p.add_argument("--max-q-support", type=int, default=256,
+                   help="entries of one draft position's q accepted (GetInfo max_q_support)")
+    p.add_argument("--open-timeout", type=float, default=10.0,
+                   help="seconds a Session stream may take to send its open")
+    p.add_argument("--stalled-reader", type=float, default=60.0,
+                   help="seconds a reply may sit unread before its stream is closed")
+    p.add_argument("--keepalive", type=float, default=60.0,
+                   help="seconds between the server's pings of a quiet client")
+    p.add_argument("--min-client-ping", type=float, default=5.0,
+                   help="shortest interval between client pings the server tolerates")
     p.add_argument("--api-keys-file", type=Path, default=None,
                    help="file of API keys, one 'KEY [TENANT]' a line, re-read on SIGHUP; "
                         f"enables authentication (so does {ENV_VAR}; see docs/security.md)")
@@ -283,6 +338,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         p.error("--prefix-cache-mb must be >= 0")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    for flag in ("grace", "drain_notice", "open_timeout", "stalled_reader", "keepalive",
+                 "min_client_ping"):
+        if not getattr(args, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.max_q_support < 1:
+        p.error("--max-q-support must be >= 1")
     if (args.tls_cert is None) != (args.tls_key is None):
         p.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca is not None and args.tls_cert is None:
@@ -311,7 +372,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         verify_session_cost=args.verify_session_cost, fit_verify_cost=not args.fixed_verify_cost,
         kv_budget_bytes=None if args.kv_budget_mb is None else int(args.kv_budget_mb * 2**20),
         kv_wait_s=args.kv_wait, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-        session_ttl_s=args.session_ttl, grace_s=args.grace,
+        session_ttl_s=args.session_ttl, grace_s=args.grace, drain_s=args.drain_notice,
+        max_q_support=args.max_q_support, open_timeout_s=args.open_timeout,
+        stalled_reader_s=args.stalled_reader, keepalive_s=args.keepalive,
+        min_client_ping_s=args.min_client_ping,
         api_keys=tuple(env_keys.items()), api_keys_file=args.api_keys_file, tls=tls,
         insecure=args.insecure, quota=quota, max_new_tokens_cap=args.max_new_tokens_cap or None,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
@@ -334,7 +398,7 @@ async def _serve(server: VerifierServer) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("signal received: draining")
-    await server.stop()
+    await server.drain()
 
 
 def main(argv: list[str] | None = None) -> int:

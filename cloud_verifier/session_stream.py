@@ -15,7 +15,7 @@ every Step.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -31,6 +31,14 @@ class RequestReader:
         self._next: asyncio.Task | None = None
         # Set once the client has half-closed its side.
         self.half_closed = asyncio.Event()
+        # get() waits at most idle_s, then raises idle_error(): see limit_idle.
+        self.idle_s: float | None = None
+        self.idle_error: Callable[[], Exception] | None = None
+
+    def limit_idle(self, idle_s: float | None, idle_error: Callable[[], Exception]) -> None:
+        """From now on a get() that waits past ``idle_s`` raises ``idle_error()`` (which may
+        close the session first); None lifts the limit."""
+        self.idle_s, self.idle_error = idle_s, idle_error
 
     def read_ahead(self) -> asyncio.Task:
         """The task reading the next message (its result None at the half-close), started
@@ -50,6 +58,10 @@ class RequestReader:
     async def get(self):
         """The next message, None once the client has half-closed."""
         task = self.read_ahead()
+        if self.idle_s is not None and self.idle_error is not None:
+            done, _ = await asyncio.wait([task], timeout=self.idle_s)
+            if not done:
+                raise self.idle_error()
         self._next = None
         return await task
 

@@ -68,7 +68,9 @@ class Session:
     # Admission order: under KV pressure older sessions keep their memory (batcher).
     seq: int = 0
     # Decoded by a stream the server drives (Generate, lookahead mode): never idle while it
-    # lasts, so it is never evicted, only preempted (its KV dropped and recomputed later).
+    # lasts, so it is neither evicted nor expired, only preempted (its KV dropped and
+    # recomputed later). A reader that stops reading is the stream's business: the
+    # stalled-reader limit closes it as STREAM_IDLE (cloud_verifier.service).
     streamed: bool = False
 
     @property
@@ -144,10 +146,11 @@ class SessionStore:
         return [s for s in self._sessions.values() if s.kv is not None]
 
     def expire_idle(self) -> int:
-        """Closes sessions idle past the TTL (marked ``expired``); returns how many."""
+        """Closes sessions idle past the TTL (marked ``expired``); returns how many. Streamed
+        sessions are never idle (see ``Session.streamed``)."""
         now = self._clock()
         stale = [sid for sid, s in self._sessions.items()
-                 if now - s.last_used > self._ttl and not s.lock.locked()]
+                 if now - s.last_used > self._ttl and not s.lock.locked() and not s.streamed]
         for sid in stale:
             self._sessions[sid].expired = True
             self.close(sid)

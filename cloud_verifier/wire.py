@@ -2,7 +2,9 @@
 
 This is the trust boundary: everything that leaves this module is range-checked, and every
 problem raises InvalidRequest (naming the field, for ErrorInfo) or ContextTooLong with a
-message a person can act on.
+message a person can act on. Lengths are checked before contents, and contents with numpy,
+so that a bad request costs little more than its decoding; ``is_large`` says which
+requests are still worth checking off the event loop (cloud_verifier.service).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from cloud_verifier.errors import ContextTooLong, InvalidRequest
 from cloud_verifier.lookahead import Lookahead
 from cloud_verifier.rounds import RoundResult
 from cloud_verifier.sampling import SamplingParams
+from shared.message_limits import ProtocolCaps
 from shared.pb import verifier_pb2 as pb
 
 # Probabilities may sum a little above 1 from float32 round-off on the device.
@@ -26,11 +29,21 @@ ROUNDS = pb.DRAFTING_ROUNDS
 LOOKAHEAD = pb.DRAFTING_LOOKAHEAD
 
 
+# Repeated fields past this many entries in all are checked on a worker thread.
+LARGE_REQUEST_ENTRIES = 4096
+
+
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
     max_draft_len: int
     max_context: int
+    max_q_support: int = 256  # entries of one q; also bounds the message size limit
+    max_stop_token_ids: int = 64
+
+    def caps(self) -> ProtocolCaps:
+        return ProtocolCaps(self.vocab_size, self.max_context, self.max_draft_len,
+                            self.max_q_support, self.max_stop_token_ids)
 
 
 @dataclass(frozen=True)
@@ -46,12 +59,23 @@ class OpenParams:
 
 
 def _check_token_ids(ids, vocab_size: int, where: str) -> list[int]:
-    values = list(ids)
-    for i, t in enumerate(values):
-        if t >= vocab_size:
-            raise InvalidRequest(f"{where}[{i}] = {t} is out of range [0, {vocab_size})",
-                                 field=where)
-    return values
+    """The ids as a list, all in [0, vocab_size) (uint32 on the wire: never negative)."""
+    values = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    bad = np.flatnonzero(values >= vocab_size)
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidRequest(f"{where}[{i}] = {int(values[i])} is out of range "
+                             f"[0, {vocab_size})", field=where)
+    return values.tolist()
+
+
+def is_large(msg) -> bool:
+    """Whether an OpenSession or GenerateRequest is big enough that checking it would hold
+    the event loop up noticeably."""
+    entries = len(msg.prompt_token_ids) + len(msg.stop_token_ids)
+    if isinstance(msg, pb.OpenSession) and msg.HasField("first_draft"):
+        entries += sum(len(d.token_ids) for d in msg.first_draft.q)
+    return entries > LARGE_REQUEST_ENTRIES
 
 
 def parse_sampling(msg: pb.SamplingParams, where: str = "sampling") -> SamplingParams:
@@ -83,7 +107,8 @@ def parse_draft(msg: pb.Draft, limits: Limits, where: str = "draft") -> DraftRou
                              field=f"{where}.q")
     q = []
     for i, (token, dist) in enumerate(zip(tokens, msg.q, strict=True)):
-        q.append(_parse_distribution(dist, token, f"{where}.q[{i}]", limits.vocab_size))
+        q.append(_parse_distribution(dist, token, f"{where}.q[{i}]", limits.vocab_size,
+                                     limits.max_q_support))
     return DraftRound(tokens=tokens, q=q, confidence=confidence)
 
 
@@ -102,7 +127,7 @@ def _parse_confidence(values, k: int, where: str) -> list[float] | None:
 
 
 def _parse_distribution(dist: pb.SparseDistribution, drafted: int, where: str,
-                        vocab_size: int) -> tuple[list[int], list[float]]:
+                        vocab_size: int, max_support: int) -> tuple[list[int], list[float]]:
     def bad(message: str) -> InvalidRequest:
         return InvalidRequest(f"{where} {message}", field=where)
 
@@ -110,6 +135,9 @@ def _parse_distribution(dist: pb.SparseDistribution, drafted: int, where: str,
         raise bad(f"has {len(dist.token_ids)} token_ids but {len(dist.probs)} probs")
     if not dist.token_ids:
         raise bad(f"is empty; it must contain the drafted token {drafted}")
+    if len(dist.token_ids) > max_support:
+        raise bad(f"lists {len(dist.token_ids)} tokens; this verifier accepts at most "
+                  f"{max_support} per position (GetInfo max_q_support): truncate q")
     ids = np.fromiter(dist.token_ids, dtype=np.int64, count=len(dist.token_ids))
     probs = np.fromiter(dist.probs, dtype=np.float64, count=len(dist.probs))
     if ids.max() >= vocab_size:
@@ -138,11 +166,15 @@ def _parse_start(prompt_ids, sampling: pb.SamplingParams, max_new_tokens: int, s
     if not prompt_ids:
         raise InvalidRequest(f"{where}prompt_token_ids is empty; send at least one token",
                              field=f"{where}prompt_token_ids")
-    prompt = _check_token_ids(prompt_ids, limits.vocab_size, f"{where}prompt_token_ids")
-    if len(prompt) + 1 > limits.max_context:
-        raise ContextTooLong(f"prompt has {len(prompt)} tokens; the maximum context is "
+    if len(prompt_ids) + 1 > limits.max_context:
+        raise ContextTooLong(f"prompt has {len(prompt_ids)} tokens; the maximum context is "
                              f"{limits.max_context} including at least one new token",
                              field=f"{where}prompt_token_ids")
+    if len(stop_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest(f"{where}stop_token_ids lists {len(stop_ids)} ids; at most "
+                             f"{limits.max_stop_token_ids} are accepted",
+                             field=f"{where}stop_token_ids")
+    prompt = _check_token_ids(prompt_ids, limits.vocab_size, f"{where}prompt_token_ids")
     stop = _check_token_ids(stop_ids, limits.vocab_size, f"{where}stop_token_ids")
     stops = frozenset(stop) if stop else (frozenset() if ignore_eos else default_stop_ids)
     return prompt, parse_sampling(sampling, f"{where}sampling"), stops

@@ -63,7 +63,8 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int = 0
     draft_len: int = 4
-    max_support: int = 64  # cap on each q's support (see DraftSampling)
+    # Cap on each q's support (see DraftSampling), within the verifier's max_q_support.
+    max_support: int = 64
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
@@ -180,7 +181,7 @@ class AsyncGeneration:
                                 chooser=client.chooser if adaptive else None)
         drafter = make_drafter(cfg.drafter, client.model,
                                DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p,
-                                             cfg.max_support),
+                                             state.limits.q_support(cfg.max_support)),
                                np.random.default_rng(cfg.seed))
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
         async with contextlib.aclosing(generate(

@@ -4,8 +4,9 @@ deadlines, and the retry discipline (what is retried, how long to wait, when to 
 What is retried is read from the status's machine-readable details (shared.errors), never
 from its text:
 
-- an eviction or TTL expiry (NOT_FOUND with SESSION_EVICTED / SESSION_EXPIRED): reopen with
-  the committed context at once;
+- an eviction, a TTL expiry or an idle stream (SESSION_EVICTED, SESSION_EXPIRED,
+  STREAM_IDLE, or any status with the reopen hint in its ErrorInfo): reopen with the
+  committed context at once;
 - overload or drain (RESOURCE_EXHAUSTED / UNAVAILABLE with RetryInfo): wait the server's
   delay, doubled per attempt without progress, with "equal jitter", then reopen;
 - a lost connection or stream (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, INTERNAL or UNKNOWN
@@ -35,15 +36,20 @@ import numpy as np
 from edge_client.errors import EdgeError, RequestRejected, VerifierUnavailable
 from edge_client.link import Link
 from shared import errors
+from shared.message_limits import MAX_DRAFT_LEN_CEILING, max_reply_bytes
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
-# Drafts carry sparse q, so messages stay small; the cap bounds what a reply may cost.
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# The largest reply a verifier can send under any configuration (shared.message_limits).
+# What the device sends is bounded by the caps GetInfo advertises, which the verifier
+# enforces with its own receive limit.
+MAX_RECEIVE_BYTES = max_reply_bytes(MAX_DRAFT_LEN_CEILING)
 _TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                               grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
                               grpc.StatusCode.UNKNOWN})
-_REOPEN_AT_ONCE = frozenset({errors.SESSION_EVICTED, errors.SESSION_EXPIRED})
+KEEPALIVE_S = 10.0
+_REOPEN_AT_ONCE = frozenset({errors.SESSION_EVICTED, errors.SESSION_EXPIRED,
+                             errors.STREAM_IDLE})
 _RETRY_REASONS = _REOPEN_AT_ONCE | {errors.OVERLOADED, errors.DRAINING}
 
 
@@ -105,6 +111,8 @@ def is_loopback_address(address: str) -> bool:
     if address.startswith(("unix:", "unix-abstract:")):
         return True
     target = address.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    if "," in target:  # an ipv4:/ipv6: address list: every address must be loopback
+        return all(is_loopback_address(part) for part in target.split(","))
     if target.startswith("["):
         host = target[1:target.find("]")]
     elif target.count(":") == 1:
@@ -121,9 +129,15 @@ def is_loopback_address(address: str) -> bool:
 
 
 def is_retryable(details: errors.ErrorDetails) -> bool:
+    if details.reopen_with_context:
+        return True
     if details.reason is not None:
         return details.reason in _RETRY_REASONS
     return details.code in _TRANSPORT_CODES
+
+
+def reopens_at_once(details: errors.ErrorDetails) -> bool:
+    return details.reopen_with_context or details.reason in _REOPEN_AT_ONCE
 
 
 def lost_connection(details: errors.ErrorDetails) -> bool:
@@ -154,7 +168,7 @@ class Backoff:
                 f"no progress for {self.policy.budget_s:.0f} s; last error "
                 f"{details.code.name}: {details.message}")
         attempt, self.attempt = self.attempt, self.attempt + 1
-        if details.reason in _REOPEN_AT_ONCE and attempt == 0:
+        if reopens_at_once(details) and attempt == 0:
             return
         base = details.retry_after_s if details.retry_after_s is not None \
             else self.policy.base_delay_s
@@ -173,7 +187,7 @@ class Connection:
     def __init__(self, address: str, api_key: str | None = None,
                  deadlines: Deadlines = Deadlines(), retry: RetryPolicy = RetryPolicy(),
                  link: Link | None = None, tls: ClientTls | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, keepalive_s: float = KEEPALIVE_S) -> None:
         if tls is None and not insecure and not is_loopback_address(address):
             raise PlaintextRefused(
                 f"refusing a plaintext channel to {address}, off this machine: the API key "
@@ -184,12 +198,14 @@ class Connection:
         self.retry = retry
         self.link = link or Link()
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        if keepalive_s <= 0:
+            raise ValueError("keepalive_s must be > 0")
         options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # A silent partition or a frozen verifier is noticed by pings, not by waiting.
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            # A silent partition or a frozen verifier is noticed by pings, not by waiting;
+            # the verifier permits pings this often (its --min-client-ping, 5 s by default).
+            ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(min(5.0, keepalive_s) * 1000)),
             ("grpc.http2.max_pings_without_data", 0),
             # Reconnect soon after a restart instead of gRPC's default back-off (up to 120 s);
             # the generation's own back-off paces the attempts.

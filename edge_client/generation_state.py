@@ -59,10 +59,17 @@ class ServerLimits:
     vocab_size: int
     max_draft_len: int
     max_context: int
+    max_q_support: int = 0  # 0: the verifier sets no cap
 
     @classmethod
     def from_info(cls, info: pb.GetInfoResponse) -> ServerLimits:
-        return cls(info.vocab_size, info.max_draft_len, info.max_context)
+        return cls(info.vocab_size, info.max_draft_len, info.max_context, info.max_q_support)
+
+    def q_support(self, wanted: int) -> int:
+        """The support cap to draft with: ``wanted`` (0 = none), within the verifier's."""
+        if self.max_q_support == 0:
+            return wanted
+        return self.max_q_support if wanted == 0 else min(wanted, self.max_q_support)
 
 
 def draft_to_pb(proposal: Proposal, confidence: bool = True) -> pb.Draft:

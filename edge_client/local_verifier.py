@@ -29,8 +29,10 @@ def free_port() -> int:
 
 def spawn(port: int, model: str | None = None, extra: list[str] | None = None
           ) -> subprocess.Popen:
+    # Nobody probes a local verifier's health while it drains: stop soon after SIGTERM
+    # (``extra`` may say otherwise; the last flag wins).
     cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "WARNING"]
+           "--port", str(port), "--log-level", "WARNING", "--drain-notice", "0.2"]
     if model:
         cmd += ["--model", str(model)]
     return subprocess.Popen(cmd + list(extra or ()))

@@ -37,8 +37,16 @@ OVERLOADED = "OVERLOADED"
 DRAINING = "DRAINING"
 UNAUTHENTICATED = "UNAUTHENTICATED"
 INTERNAL = "INTERNAL"
+STREAM_IDLE = "STREAM_IDLE"
 assert {INVALID_ARGUMENT, CONTEXT_TOO_LONG, SESSION_EVICTED, SESSION_EXPIRED, OUT_OF_ORDER,
-        OVERLOADED, DRAINING, UNAUTHENTICATED, INTERNAL} == REASONS
+        OVERLOADED, DRAINING, UNAUTHENTICATED, INTERNAL, STREAM_IDLE} == REASONS
+
+# The reopen hint: ErrorInfo.metadata[REOPEN] == REOPEN_WITH_CONTEXT on every status whose
+# session the verifier closed without losing anything the client has (eviction, TTL expiry,
+# an idle stream). The client opens a new session with its committed context at once, so
+# one rule covers these reasons and any later one that carries the hint.
+REOPEN = "reopen"
+REOPEN_WITH_CONTEXT = "committed_context"
 
 
 def rich_status(code: grpc.StatusCode, message: str, reason: str,
@@ -67,6 +75,10 @@ class ErrorDetails:
     retry_after_s: float | None  # None: no RetryInfo
     message: str
     metadata: dict[str, str]
+
+    @property
+    def reopen_with_context(self) -> bool:
+        return self.metadata.get(REOPEN) == REOPEN_WITH_CONTEXT
 
 
 def details_of(err: grpc.RpcError) -> ErrorDetails:

@@ -7,6 +7,8 @@ real edge client with the tiny ONNX draft.
 
 from __future__ import annotations
 
+import asyncio
+
 import shutil
 
 import grpc
@@ -169,17 +171,23 @@ def test_the_command_line_refuses_plaintext_off_loopback(capsys, pki):
 
 def test_the_client_refuses_plaintext_off_loopback(pki):
     for address in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", "::1",
-                    "dns:///localhost:50051", "unix:/tmp/verifier.sock"):
+                    "dns:///localhost:50051", "unix:/tmp/verifier.sock",
+                    "ipv4:127.0.0.1:50051,127.0.0.1:50052"):
         assert is_loopback_address(address), address
     for address in ("10.0.0.7:50051", "verifier:50051", "[2001:db8::1]:443",
+                    "ipv4:127.0.0.1:50051,10.0.0.7:50051",
                     "dns:///verifier.example.com:443"):
         assert not is_loopback_address(address), address
         with pytest.raises(ClientPlaintextRefused, match="insecure"):
             Connection(address)
-        # Channels connect lazily: building them reaches nothing.
-        for conn in (Connection(address, insecure=True),
-                     Connection(address, tls=ClientTls(ca=pki.ca))):
-            assert conn.address == address
-            del conn
+        # Channels connect lazily: building them reaches nothing. grpc.aio channels want an
+        # event loop, which earlier tests' asyncio.run calls leave closed.
+        async def build(address=address):
+            for conn in (Connection(address, insecure=True),
+                         Connection(address, tls=ClientTls(ca=pki.ca))):
+                assert conn.address == address
+                await conn.close()
+
+        asyncio.run(build())
     with pytest.raises(ValueError, match="go together"):
         ClientTls(ca=pki.ca, cert=pki.client_cert)

@@ -19,6 +19,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_DRAINING: _ClassVar[ErrorReason]
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
+    ERROR_REASON_STREAM_IDLE: _ClassVar[ErrorReason]
 
 class Drafting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ ERROR_REASON_OVERLOADED: ErrorReason
 ERROR_REASON_DRAINING: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_INTERNAL: ErrorReason
+ERROR_REASON_STREAM_IDLE: ErrorReason
 DRAFTING_UNSPECIFIED: Drafting
 DRAFTING_ROUNDS: Drafting
 DRAFTING_LOOKAHEAD: Drafting
@@ -44,7 +46,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids")
+    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids", "max_q_support", "max_stop_token_ids")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +55,8 @@ class GetInfoResponse(_message.Message):
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MODES_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     target_model: str
     vocab_size: int
@@ -61,7 +65,9 @@ class GetInfoResponse(_message.Message):
     max_context: int
     modes: _containers.RepeatedScalarFieldContainer[str]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_q_support: int
+    max_stop_token_ids: int
+    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_q_support: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

@@ -73,6 +73,15 @@ def health_trace(address: str, until: threading.Event) -> list[str]:
     return seen
 
 
+def not_serving_first(trace: list[str]) -> bool:
+    """SERVING (until the signal is handled), then NOT_SERVING, observed before the port
+    goes, and never SERVING again."""
+    if "NOT_SERVING" not in trace:
+        return False
+    i = trace.index("NOT_SERVING")
+    return set(trace[:i]) <= {"SERVING"} and "SERVING" not in trace[i:]
+
+
 def run_under_sigterm(address: str, proc, draft_dir, started_tokens: int = 3):
     """The 4 cases at once on ``address``; SIGTERM once each has ``started_tokens``."""
     results: dict = {}
@@ -120,7 +129,7 @@ def test_generations_finish_on_the_draining_verifier_within_the_grace(
         results, trace = run_under_sigterm(address, proc, tiny_llama_pair.draft_dir)
     finally:
         local_verifier.stop(proc)
-    assert trace[0] == "NOT_SERVING" and "SERVING" not in trace, trace
+    assert not_serving_first(trace), trace
     for case, (tokens, stats) in results.items():
         assert tokens == references[case], case
         assert stats.reopens == 0, (case, stats.lost_attempts)  # rounds were not refused
@@ -138,7 +147,7 @@ def test_generations_past_the_grace_are_told_draining_and_reopen_elsewhere(
         results, trace = run_under_sigterm(both, proc, tiny_llama_pair.draft_dir)
     finally:
         local_verifier.stop(proc)
-    assert trace[0] == "NOT_SERVING" and "SERVING" not in trace, trace
+    assert not_serving_first(trace), trace
     for case, (tokens, stats) in results.items():
         assert tokens == references[case], case
         assert stats.reopens >= 1, case

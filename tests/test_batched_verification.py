@@ -49,7 +49,8 @@ def random_batch(rng: random.Random):
     drafts, qs, params, seeds, rows = [], [], [], [], []
     for _ in range(b):
         k = rng.randint(0, 6)
-        logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        logits = torch.randn(k + 1, V, generator=gen)
         logits *= rng.choice([0.5, 2.0, 6.0])
         rows.append(logits)
         greedy = rng.random() < 0.3

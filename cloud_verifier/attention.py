@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from cloud_verifier.device_copy import to_device
 from cloud_verifier.kv_store import SessionKV
 
 try:
@@ -112,7 +113,7 @@ class AttentionPlan:
             plan.tensors = {"cu_q": torch.tensor(cu_q, dtype=torch.int32),
                             "cu_k": torch.tensor(cu_k, dtype=torch.int32)}
             plan.max_q, plan.max_k = max(new), max(ends)
-        plan.tensors = {k: t.to(device, non_blocking=True) for k, t in plan.tensors.items()}
+        plan.tensors = {k: to_device(t, device) for k, t in plan.tensors.items()}
         return plan
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

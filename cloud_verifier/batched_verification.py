@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cloud_verifier.device_copy import to_device
 from cloud_verifier.sampling import SamplingParams, target_probs_rows
 
 # Per position: (token ids, probs) of the q the draft was sampled from.
@@ -83,7 +84,7 @@ def verify_batch(logits: torch.Tensor, draft_tokens: Sequence[Sequence[int]],
     vocab, device = logits.shape[1], logits.device
     plan = _Plan.build(draft_tokens, draft_q, params, vocab)
     idx = plan.to(device)
-    uniforms = uniforms.to(device, non_blocking=True)
+    uniforms = to_device(uniforms, device)
     greedy = idx["greedy"]  # [B]
 
     # acc[b, j]: draft j of session b is accepted (False past K_b).
@@ -162,7 +163,7 @@ class _Plan:
     any_sampling: bool
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {name: t.to(device, non_blocking=True) for name, t in self.tensors.items()}
+        return {name: to_device(t, device) for name, t in self.tensors.items()}
 
     @staticmethod
     def build(draft_tokens: Sequence[Sequence[int]], draft_q: Sequence[SparseQ | None],

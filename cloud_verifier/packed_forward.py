@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from cloud_verifier.attention import AttentionPlan, default_attention
+from cloud_verifier.device_copy import to_device
 from cloud_verifier.kv_store import SessionKV
 
 log = logging.getLogger(__name__)
@@ -189,10 +190,14 @@ def packed_logits(model: torch.nn.Module, segments: list[Segment],
     plan = AttentionPlan.build([(s.kv, len(s.tokens)) for s in segments], device,
                                attention or default_attention(device,
                                                               inner.embed_tokens.weight.dtype))
-    ids = torch.tensor([t for s in segments for t in s.tokens], device=device)
-    positions = torch.tensor([p for s in segments
-                              for p in range(s.kv.length, s.kv.length + len(s.tokens))],
-                             device=device)
+    ids = to_device([t for s in segments for t in s.tokens], device)
+    positions = to_device([p for s in segments
+                           for p in range(s.kv.length, s.kv.length + len(s.tokens))], device)
+    start, wanted = 0, []  # the rows whose logits are returned
+    for s in segments:
+        start += len(s.tokens)
+        wanted.extend(range(start - s.num_logits, start))
+    wanted = to_device(wanted, device)
     hidden = inner.embed_tokens(ids)[None]  # [1, N, d]
     cos, sin = inner.rotary_emb(hidden, positions[None])
     n = ids.shape[0]
@@ -208,8 +213,4 @@ def packed_logits(model: torch.nn.Module, segments: list[Segment],
         hidden = hidden + _linear(out.transpose(0, 1).reshape(1, n, -1), attn.o_proj, packed)
         hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), packed)
     hidden = inner.norm(hidden)[0]
-    start, wanted = 0, []
-    for s in segments:
-        start += len(s.tokens)
-        wanted.extend(range(start - s.num_logits, start))
-    return _linear(hidden[torch.tensor(wanted, device=device)], model.lm_head, packed).float()
+    return _linear(hidden[wanted], model.lm_head, packed).float()

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cloud_verifier.device_copy import to_device
+
 _F32_MAX = torch.finfo(torch.float32).max
 SEED_LIMIT = 2**63
 
@@ -81,7 +83,7 @@ def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]
     probabilities are then meaningless). Draws no host sync: the batched verifier reads
     ``valid`` with its decisions. Each row gets exactly the numbers ``target_probs`` gives it
     alone (rows are independent; those without top-k or top-p skip the sort, as alone)."""
-    for sp in params:
+    for sp in dict.fromkeys(params):  # each distinct params once (rows share them)
         sp.validate()
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must have shape [N, V] with V > 0, got {tuple(logits.shape)}")
@@ -98,21 +100,21 @@ def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]
     plain = [i for i, sp in enumerate(params)
              if not sp.is_greedy and not (0 < sp.top_k < vocab or sp.top_p < 1)]
     # Greedy rows divide by 1 here and are replaced by their one-hot below.
-    temperature = torch.tensor([sp.temperature or 1.0 for sp in params], dtype=torch.float32,
-                               device=device)[:, None]  # [N, 1]
+    temperature = to_device([sp.temperature or 1.0 for sp in params], device,
+                            torch.float32)[:, None]  # [N, 1]
     # Shift first: every value becomes <= 0 (or -inf), so dividing by a tiny T cannot give NaN.
     z = (x - row_max) / temperature  # [N, V]
     if len(plain) == len(params):
         return torch.softmax(z, dim=1), valid
     out = torch.empty_like(z)
     if plain:
-        rows = torch.tensor(plain, device=device)
+        rows = to_device(plain, device)
         out[rows] = torch.softmax(z[rows], dim=1)
     if cut:
-        rows = torch.tensor(cut, device=device)
+        rows = to_device(cut, device)
         out[rows] = _truncated_probs(z[rows], [params[i] for i in cut])
     if greedy:
-        rows = torch.tensor(greedy, device=device)
+        rows = to_device(greedy, device)
         out[rows] = torch.zeros_like(x[rows]).scatter_(1, x[rows].argmax(dim=1, keepdim=True),
                                                        1.0)
     return out, valid
@@ -124,13 +126,12 @@ def _truncated_probs(z: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     sorted_z, order = torch.sort(z, dim=1, descending=True, stable=True)  # [N, V] each
     top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
     if any(k < vocab for k in top_k):
-        keep = torch.arange(vocab, device=device)[None, :] < torch.tensor(top_k, device=device
-                                                                           )[:, None]
+        keep = torch.arange(vocab, device=device)[None, :] < to_device(top_k, device)[:, None]
         sorted_z = sorted_z.masked_fill(~keep, -math.inf)
     if any(sp.top_p < 1 for sp in params):
         # top_p = 1 is off: +inf is never reached, as alone the row is not cut at all.
-        top_p = torch.tensor([sp.top_p if sp.top_p < 1 else math.inf for sp in params],
-                             dtype=torch.float32, device=device)[:, None]  # [N, 1]
+        top_p = to_device([sp.top_p if sp.top_p < 1 else math.inf for sp in params], device,
+                          torch.float32)[:, None]  # [N, 1]
         sorted_p = torch.softmax(sorted_z, dim=1)
         # Mass strictly before each position; position 0 sees 0 < top_p and is always kept.
         before = torch.zeros_like(sorted_p)

@@ -104,8 +104,11 @@ def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]
                             torch.float32)[:, None]  # [N, 1]
     # Shift first: every value becomes <= 0 (or -inf), so dividing by a tiny T cannot give NaN.
     z = (x - row_max) / temperature  # [N, V]
+    # One kind of row (the usual case: sessions share their settings' shape): no gather.
     if len(plain) == len(params):
         return torch.softmax(z, dim=1), valid
+    if len(cut) == len(params):
+        return _truncated_probs(z, params), valid
     out = torch.empty_like(z)
     if plain:
         rows = to_device(plain, device)

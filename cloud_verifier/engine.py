@@ -8,30 +8,33 @@ with a draft costs one forward in total. After the decision ``kv.length`` is set
 ``len(committed) - 1``: that is the rollback of the rejected tail, explicit on every round.
 
 ``run_batch`` verifies the rounds of many sessions in one packed forward
-(``cloud_verifier.packed_forward``); the accept/reject decisions then run per session with the
-session's own generator, in the same order as when run alone, so batched results equal
-sessions run one at a time.
+(``cloud_verifier.packed_forward``), then decides all of them at once on the device that holds
+the logits (``cloud_verifier.batched_verification``) and reads the decisions back in one host
+copy. Each session's uniforms come from its own generator, seeded from (session seed,
+committed length), so batched results equal sessions run one at a time, and equal the
+per-session reference (``cloud_verifier.verification``) bit for bit on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
+from cloud_verifier.attention import check_attention, default_attention
+from cloud_verifier.batched_verification import round_uniforms, verify_batch
+from cloud_verifier.device_timer import ForwardTimer
 from cloud_verifier.errors import ContextTooLong, KVCacheFull
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
 from cloud_verifier.packed_forward import (
     Segment,
-    packed_forward,
-    sequential_forward,
+    packed_logits,
+    sequential_logits,
     supports_packing,
 )
-from cloud_verifier.sampling import target_probs
 from cloud_verifier.sessions import Session, position_seed
-from cloud_verifier.verification import sparse_to_dense, verify, verify_greedy
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +76,22 @@ class VerifierEngine:
     """Runs rounds on a loaded target. Not thread-safe: one ``run_batch`` at a time."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int,
-                 kv_budget_bytes: int | None = None) -> None:
+                 kv_budget_bytes: int | None = None, attention: str | None = None) -> None:
+        """``attention``: how a packed forward runs attention (``cloud_verifier.attention``);
+        None picks the default for the model's device and dtype."""
         self.model = model
-        self._forward = packed_forward if supports_packing(model) else sequential_forward
-        if self._forward is sequential_forward:
+        param = next(model.parameters())
+        self.attention = attention or default_attention(param.device, param.dtype)
+        check_attention(self.attention, param.device)
+        self._forward = functools.partial(packed_logits, attention=self.attention) \
+            if supports_packing(model) else sequential_logits
+        if not supports_packing(model):
             log.warning("%s is not Llama-family: verifying one session per forward",
                         type(model).__name__)
         self.vocab_size = vocab_size
         self.max_context = max_context
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        param = next(model.parameters())
         self.kv = KVStore(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
                           param.dtype, param.device, kv_budget_bytes, max_context)
 
@@ -127,14 +135,20 @@ class VerifierEngine:
             segments.append(Segment(session.kv, session.committed[session.kv.length:]
                                     + draft.tokens, len(draft.tokens) + 1))
         if segments:
-            t0 = time.perf_counter_ns()
-            logits = self._forward(self.model, segments)  # each [K+1, V]
-            forward_ns = time.perf_counter_ns() - t0
+            timer = ForwardTimer(self.kv.device)
+            timer.start()
+            logits = self._forward(self.model, segments)  # [sum(K+1), V]
+            timer.stop()
+            batch = [rounds[i] for i in ready]
+            decisions = self._decide(batch, logits)  # waits for the device: one host copy
+            forward_ns = timer.elapsed_ns()
             batch_tokens = sum(len(s.tokens) for s in segments)
-            for i, rows in zip(ready, logits, strict=True):
-                session, draft = rounds[i]
-                results[i] = self._decide(session, draft, rows.cpu(), forward_ns,
-                                          len(segments), batch_tokens)
+            for i, (session, draft), (n, next_token, valid) in zip(ready, batch, decisions,
+                                                                   strict=True):
+                results[i] = self._apply(session, draft, n, next_token, forward_ns,
+                                         len(segments), batch_tokens) if valid else \
+                    RuntimeError("the target's logits for this round have a NaN or no finite "
+                                 "maximum")
         return results  # type: ignore[return-value]
 
     def reserve(self, session: Session, draft: DraftRound) -> None:
@@ -151,17 +165,25 @@ class VerifierEngine:
         """KV bytes the round needs in all, counting what the session already holds."""
         return (len(session.committed) + len(draft.tokens)) * self.kv.bytes_per_token
 
-    def _decide(self, session: Session, draft: DraftRound, rows: torch.Tensor, forward_ns: int,
-                batch_sessions: int, batch_tokens: int) -> RoundOutcome:
-        if session.sampling.is_greedy:
-            n, next_token = verify_greedy(draft.tokens, rows)
-        else:
-            p = target_probs(rows, session.sampling)  # [K+1, V]
-            q = None if draft.q is None else sparse_to_dense(
-                [ids for ids, _ in draft.q], [ps for _, ps in draft.q], self.vocab_size)
-            session.generator.manual_seed(position_seed(session.sampling.seed,
-                                                        len(session.committed)))
-            n, next_token = verify(draft.tokens, q, p, session.generator)
+    def _decide(self, rounds: list[tuple[Session, DraftRound]], logits: torch.Tensor
+                ) -> list[tuple[int, int, bool]]:
+        """(n, next token, valid) per round, decided together on the logits' device."""
+        k_max = max(len(d.tokens) for _, d in rounds)
+        uniforms = []  # [B, Kmax+1]: drawn here, from each session's own generator
+        for session, draft in rounds:
+            row = [0.0] * (k_max + 1)
+            if not session.sampling.is_greedy:
+                k = len(draft.tokens)
+                session.generator.manual_seed(position_seed(session.sampling.seed,
+                                                            len(session.committed)))
+                row[:k + 1] = round_uniforms(session.generator, k).tolist()
+            uniforms.append(row)
+        return verify_batch(logits, [d.tokens for _, d in rounds], [d.q for _, d in rounds],
+                            [s.sampling for s, _ in rounds],
+                            torch.tensor(uniforms, dtype=torch.float64)).tolist()
+
+    def _apply(self, session: Session, draft: DraftRound, n: int, next_token: int,
+               forward_ns: int, batch_sessions: int, batch_tokens: int) -> RoundOutcome:
         appended, finished = self._commit(session, draft.tokens[:n] + [next_token])
         # Rollback: only committed[:-1] stays valid; later positions will be overwritten.
         session.kv.length = len(session.committed) - 1

@@ -4,7 +4,9 @@ Sessions differ in context length and in K, so their new tokens are concatenated
 sequence ``[1, N]`` with per-token positions. Every projection, MLP and the LM head run once
 over the packed tokens (that is where the FLOPs are); only attention is per session: each
 segment's queries attend to that session's own KV buffer, which the segment's new keys and
-values are first written into. No session's cache is copied or padded to build the batch.
+values are first written into (``cloud_verifier.attention``: a fused kernel per session on a
+CPU, which copies no cache; one kernel for the whole batch on CUDA). Logits come back as one
+``[sum(num_logits), V]`` tensor on the model's device, for the batched decisions.
 
 This drives the modules of a Hugging Face Llama-family model (Llama, Mistral, Qwen2, SmolLM:
 ``model.model.{embed_tokens, layers, norm, rotary_emb}`` with ``self_attn.{q,k,v,o}_proj``)
@@ -26,6 +28,9 @@ time on a CPU, and the fastest kernel depends on the number of rows (new tokens)
   does not beat, made contiguous (a transposed q/k/v makes ``scaled_dot_product_attention``
   leave its fused CPU kernel for the slower math fallback), and one row is computed as two
   (with one column MKL takes a matrix-vector path on one core, which is slower).
+
+On CUDA none of this applies: weights are never packed (``packed_weights`` is empty off the
+CPU or below fp32) and every projection is ``F.linear`` (cuBLAS).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from cloud_verifier.attention import AttentionPlan, default_attention
+from cloud_verifier.device_copy import to_device
 from cloud_verifier.kv_store import SessionKV
 
 log = logging.getLogger(__name__)
@@ -111,7 +118,7 @@ def _linear(x: torch.Tensor, layer: torch.nn.Linear,
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     weight = packed.get(layer)
-    if n > FEW_ROWS and weight is None:
+    if (n > FEW_ROWS and weight is None) or x.device.type != "cpu":  # the tricks are MKL's
         return F.linear(x, layer.weight, layer.bias)
     if n > FEW_ROWS:
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, layer.bias, "none",
@@ -153,26 +160,44 @@ def sequential_forward(model: torch.nn.Module, segments: list[Segment]) -> list[
     return out
 
 
+def sequential_logits(model: torch.nn.Module, segments: list[Segment]) -> torch.Tensor:
+    """``sequential_forward``'s logits as one ``[sum(num_logits), V]`` tensor."""
+    return torch.cat(sequential_forward(model, segments))
+
+
+def packed_forward(model: torch.nn.Module, segments: list[Segment],
+                   attention: str | None = None) -> list[torch.Tensor]:
+    """Runs all segments in one pass; returns per segment its ``[num_logits, V]`` logits
+    (views of ``packed_logits``)."""
+    logits = packed_logits(model, segments, attention)
+    return list(torch.split(logits, [s.num_logits for s in segments]))
+
+
 @torch.inference_mode()
-def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torch.Tensor]:
-    """Runs all segments in one pass; returns per segment its ``[num_logits, V]`` logits.
+def packed_logits(model: torch.nn.Module, segments: list[Segment],
+                  attention: str | None = None) -> torch.Tensor:
+    """Runs all segments in one pass; returns float32 logits ``[sum(num_logits), V]``, segment
+    after segment, each segment's last ``num_logits`` tokens.
 
     Writes each segment's new keys/values at positions ``kv.length ..`` of its buffer (the
     caller must have ensured capacity) but does not change ``kv.length``: committing is the
-    caller's decision.
+    caller's decision. ``attention`` picks how attention runs (``cloud_verifier.attention``;
+    None: the default for the model's device).
     """
     inner = model.model
     packed = packed_weights(model)
     device = inner.embed_tokens.weight.device
-    ids = torch.tensor([t for s in segments for t in s.tokens], device=device)
-    positions = torch.cat([torch.arange(s.kv.length, s.kv.length + len(s.tokens))
-                           for s in segments]).to(device)
-    bounds, start = [], 0
+    plan = AttentionPlan.build([(s.kv, len(s.tokens)) for s in segments], device,
+                               attention or default_attention(device,
+                                                              inner.embed_tokens.weight.dtype))
+    ids = to_device([t for s in segments for t in s.tokens], device)
+    positions = to_device([p for s in segments
+                           for p in range(s.kv.length, s.kv.length + len(s.tokens))], device)
+    start, wanted = 0, []  # the rows whose logits are returned
     for s in segments:
-        bounds.append((start, start + len(s.tokens)))
         start += len(s.tokens)
-    masks = [_causal_mask(s.kv.length, len(s.tokens), device) for s in segments]
-
+        wanted.extend(range(start - s.num_logits, start))
+    wanted = to_device(wanted, device)
     hidden = inner.embed_tokens(ids)[None]  # [1, N, d]
     cos, sin = inner.rotary_emb(hidden, positions[None])
     n = ids.shape[0]
@@ -184,26 +209,8 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment]) -> list[torc
         k = _linear(x, attn.k_proj, packed).view(1, n, -1, attn.head_dim).transpose(1, 2)
         v = _linear(x, attn.v_proj, packed).view(1, n, -1, attn.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = torch.empty_like(q)
-        for seg, (lo, hi), mask in zip(segments, bounds, masks, strict=True):
-            end = seg.kv.length + (hi - lo)
-            keys, values = seg.kv.keys(layer_idx), seg.kv.values(layer_idx)
-            keys[:, seg.kv.length:end] = k[0, :, lo:hi]
-            values[:, seg.kv.length:end] = v[0, :, lo:hi]
-            out[:, :, lo:hi] = F.scaled_dot_product_attention(
-                q[:, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
-                scale=attn.scaling, enable_gqa=True)
-        hidden = hidden + _linear(out.transpose(1, 2).reshape(1, n, -1), attn.o_proj, packed)
+        out = plan.attend(layer_idx, q[0], k[0], v[0], attn.scaling)  # [H, N, hd]
+        hidden = hidden + _linear(out.transpose(0, 1).reshape(1, n, -1), attn.o_proj, packed)
         hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), packed)
     hidden = inner.norm(hidden)[0]
-    wanted = torch.cat([torch.arange(hi - s.num_logits, hi) for s, (_, hi)
-                        in zip(segments, bounds, strict=True)]).to(device)
-    logits = _linear(hidden[wanted], model.lm_head, packed).float()
-    return list(torch.split(logits, [s.num_logits for s in segments]))
-
-
-def _causal_mask(past: int, new: int, device: torch.device) -> torch.Tensor | None:
-    """New token i (at position past + i) sees positions 0 .. past + i."""
-    if new == 1:
-        return None
-    return torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)
+    return _linear(hidden[wanted], model.lm_head, packed).float()

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cloud_verifier.device_copy import to_device
+
 _F32_MAX = torch.finfo(torch.float32).max
 SEED_LIMIT = 2**63
 
@@ -67,34 +69,76 @@ class SamplingParams:
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits ``[N, V]`` -> float32 probabilities ``[N, V]``, processed as the module says."""
-    params.validate()
+    probs, valid = target_probs_rows(logits, [params] * logits.shape[0] if logits.dim() == 2
+                                     else [params])
+    if not bool(valid.all()):
+        raise ValueError("every logits row needs a finite maximum: a row is all -inf or has NaN")
+    return probs
+
+
+def target_probs_rows(logits: torch.Tensor, params: list[SamplingParams]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row r of logits ``[N, V]`` shaped by ``params[r]``: float32 probabilities ``[N, V]`` and
+    ``valid`` ``[N]`` (bool), False where a row has no finite maximum or a NaN (its
+    probabilities are then meaningless). Draws no host sync: the batched verifier reads
+    ``valid`` with its decisions. Each row gets exactly the numbers ``target_probs`` gives it
+    alone (rows are independent; those without top-k or top-p skip the sort, as alone)."""
+    for sp in dict.fromkeys(params):  # each distinct params once (rows share them)
+        sp.validate()
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"logits must have shape [N, V] with V > 0, got {tuple(logits.shape)}")
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{len(params)} sampling params for {logits.shape[0]} logits rows")
+    device = logits.device
     x = logits.float().clamp(max=_F32_MAX)  # [N, V]; +inf -> largest float, NaN stays NaN
     row_max = x.max(dim=1, keepdim=True).values  # [N, 1]; NaN if the row has a NaN
-    if not bool(torch.isfinite(row_max).all()):
-        raise ValueError("every logits row needs a finite maximum: a row is all -inf or has NaN")
-
-    if params.is_greedy:
-        out = torch.zeros_like(x)
-        return out.scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
-
+    valid = torch.isfinite(row_max[:, 0])  # [N]
+    vocab = x.shape[1]
+    greedy = [i for i, sp in enumerate(params) if sp.is_greedy]
+    cut = [i for i, sp in enumerate(params)
+           if not sp.is_greedy and (0 < sp.top_k < vocab or sp.top_p < 1)]
+    plain = [i for i, sp in enumerate(params)
+             if not sp.is_greedy and not (0 < sp.top_k < vocab or sp.top_p < 1)]
+    # Greedy rows divide by 1 here and are replaced by their one-hot below.
+    temperature = to_device([sp.temperature or 1.0 for sp in params], device,
+                            torch.float32)[:, None]  # [N, 1]
     # Shift first: every value becomes <= 0 (or -inf), so dividing by a tiny T cannot give NaN.
-    z = (x - row_max) / params.temperature  # [N, V]
-    vocab = z.shape[1]
-    use_top_k = 0 < params.top_k < vocab
-    use_top_p = params.top_p < 1
-    if not (use_top_k or use_top_p):
-        return torch.softmax(z, dim=1)
+    z = (x - row_max) / temperature  # [N, V]
+    # One kind of row (the usual case: sessions share their settings' shape): no gather.
+    if len(plain) == len(params):
+        return torch.softmax(z, dim=1), valid
+    if len(cut) == len(params):
+        return _truncated_probs(z, params), valid
+    out = torch.empty_like(z)
+    if plain:
+        rows = to_device(plain, device)
+        out[rows] = torch.softmax(z[rows], dim=1)
+    if cut:
+        rows = to_device(cut, device)
+        out[rows] = _truncated_probs(z[rows], [params[i] for i in cut])
+    if greedy:
+        rows = to_device(greedy, device)
+        out[rows] = torch.zeros_like(x[rows]).scatter_(1, x[rows].argmax(dim=1, keepdim=True),
+                                                       1.0)
+    return out, valid
 
+
+def _truncated_probs(z: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p, then softmax of the tempered logits ``z`` ``[N, V]``, per row."""
+    device, vocab = z.device, z.shape[1]
     sorted_z, order = torch.sort(z, dim=1, descending=True, stable=True)  # [N, V] each
-    if use_top_k:
-        sorted_z[:, params.top_k:] = -math.inf
-    if use_top_p:
+    top_k = [sp.top_k if 0 < sp.top_k < vocab else vocab for sp in params]
+    if any(k < vocab for k in top_k):
+        keep = torch.arange(vocab, device=device)[None, :] < to_device(top_k, device)[:, None]
+        sorted_z = sorted_z.masked_fill(~keep, -math.inf)
+    if any(sp.top_p < 1 for sp in params):
+        # top_p = 1 is off: +inf is never reached, as alone the row is not cut at all.
+        top_p = to_device([sp.top_p if sp.top_p < 1 else math.inf for sp in params], device,
+                          torch.float32)[:, None]  # [N, 1]
         sorted_p = torch.softmax(sorted_z, dim=1)
         # Mass strictly before each position; position 0 sees 0 < top_p and is always kept.
         before = torch.zeros_like(sorted_p)
         before[:, 1:] = sorted_p.cumsum(dim=1)[:, :-1]
-        sorted_z = sorted_z.masked_fill(before >= params.top_p, -math.inf)
+        sorted_z = sorted_z.masked_fill(before >= top_p, -math.inf)
     sorted_probs = torch.softmax(sorted_z, dim=1)
     return torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)

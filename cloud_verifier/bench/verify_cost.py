@@ -1,7 +1,7 @@
 """What verifying K drafts costs against decoding one token, per batch size, on this machine.
 
     python -m cloud_verifier.bench.verify_cost [--model PATH] [--batches 1 2 4 8 16]
-        [--max-k 4] [--alphas 0.5 0.65 0.8]
+        [--max-k 4] [--alphas 0.5 0.65 0.8] [--attention loop|padded|varlen]
 
 For B sessions (context lengths 64..320, within the model's context) it times one packed
 verify forward (``cloud_verifier.packed_forward``, K + 1 new tokens per session) for
@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from cloud_verifier.attention import ATTENTION
 from cloud_verifier.draft_policy import expected_tokens, fit_verify_cost
 from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_forward
@@ -61,7 +62,7 @@ def prefilled_kvs(target, contexts: list[list[int]], reserve: int) -> list:
 
 
 def verify_costs_ms(target, b: int, max_k: int, repeats: int,
-                    gen: torch.Generator) -> list[float]:
+                    gen: torch.Generator, attention: str | None = None) -> list[float]:
     """Median ms of one packed forward over B sessions with K + 1 new tokens each, K = 0.."""
     model = target.model
     lengths = context_lengths(target, b, max_k + 1)
@@ -72,11 +73,11 @@ def verify_costs_ms(target, b: int, max_k: int, repeats: int,
         new = [torch.randint(0, target.vocab_size, (k + 1,), generator=gen).tolist()
                for _ in range(b)]
         segments = [Segment(kv, x, k + 1) for kv, x in zip(kvs, new, strict=True)]
-        packed_forward(model, segments)  # warm-up
+        packed_forward(model, segments, attention)  # warm-up
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            packed_forward(model, segments)
+            packed_forward(model, segments, attention)
             times.append((time.perf_counter() - t0) * 1e3)
         out.append(statistics.median(times))
     return out
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-k", type=int, default=4)
     p.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.65, 0.8])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--attention", choices=ATTENTION, default=None,
+                   help="attention implementation (default: the device's)")
     args = p.parse_args(argv)
     if args.max_k < 1 or any(not 0 <= a < 1 for a in args.alphas):
         raise SystemExit("--max-k must be >= 1 and every --alphas value in [0, 1)")
@@ -138,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     ks = range(args.max_k + 1)
     print(f"target {target.name}, threads {torch.get_num_threads()}, packed verify forward, "
-          f"median of {args.repeats}")
+          f"attention {args.attention or 'default'}, median of {args.repeats}")
     print("| sessions | " + " | ".join(f"K={k} ms" for k in ks) + " | "
           + " | ".join(f"K={k} cost / K=0 (break-even α)" for k in ks[1:]) + " | "
           + " | ".join(f"α={a}: best K, max spec/baseline" for a in args.alphas) + " |")
     print("|---" * (1 + len(ks) + args.max_k + len(args.alphas)) + "|")
     measured = {}
     for b in args.batches:
-        costs = verify_costs_ms(target, b, args.max_k, args.repeats, gen)
+        costs = verify_costs_ms(target, b, args.max_k, args.repeats, gen, args.attention)
         measured[b] = costs
         cells = [f"{c:.0f}" for c in costs]
         for k in ks[1:]:

@@ -19,6 +19,7 @@ generation gives up when it has made no progress for ``RetryPolicy.budget_s``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass
@@ -162,3 +163,10 @@ class Connection:
 
 def new_routing_key() -> str:
     return secrets.token_hex(16)
+
+
+def document_routing_key(document: str) -> str:
+    """The routing key of every generation over one document (an IME text field, a chat):
+    a gateway hashing it sends them all to the replica whose prefix cache holds the text
+    typed so far. A digest, so the gateway's logs never see the document's name."""
+    return hashlib.sha256(document.encode()).hexdigest()[:32]

@@ -44,7 +44,7 @@ REPLICAS = 3
 # The upstream's server lines (the k8s slot Services) and the listen directive: the only parts
 # of the shipped configuration the test replaces.
 _UPSTREAM_SERVER = re.compile(r"^([ \t]*)server\s+[\w.-]+:\d+(\s[^;]*)?;\n", re.MULTILINE)
-_LISTEN = re.compile(r"^([ \t]*)listen\s+\d+\s+http2;", re.MULTILINE)
+_LISTEN = re.compile(r"^([ \t]*)listen\s+(\d+)((?:\s+http2)?);", re.MULTILINE)
 
 
 def nginx_binary() -> str:
@@ -57,29 +57,35 @@ def nginx_binary() -> str:
     return found
 
 
-def render_gateway_conf(conf: str, upstreams: list[str], listen: str, access_log: Path) -> str:
+def render_gateway_conf(conf: str, upstreams: list[str], listen: dict[int, str],
+                        conf_dir: Path) -> str:
     """The shipped gateway.conf with its upstream servers (keeping their parameters), listen
-    address and access log replaced."""
+    addresses, include directory and access log replaced."""
     servers = list(_UPSTREAM_SERVER.finditer(conf))
     assert servers, "gateway.conf has no upstream server lines"
     first = servers[0]
     lines = "".join(f"{first.group(1)}server {a}{first.group(2) or ''};\n" for a in upstreams)
     conf = conf[:first.start()] + lines + _UPSTREAM_SERVER.sub("", conf[first.end():])
-    conf, listens = _LISTEN.subn(rf"\1listen {listen} http2;", conf)
-    assert listens == 1, "gateway.conf must listen once, with http2"
-    conf = conf.replace("access_log /dev/stdout", f"access_log {access_log}")
-    assert "grpc_pass grpc://edgespec_verifiers;" in conf
+
+    def listen_on(m: re.Match) -> str:
+        return f"{m.group(1)}listen {listen[int(m.group(2))]}{m.group(3)};"
+
+    conf, listens = _LISTEN.subn(listen_on, conf)
+    assert listens == len(listen), "gateway.conf listens on other ports than expected"
+    conf = conf.replace("/etc/nginx/edgespec/", f"{conf_dir}/")
+    conf = conf.replace("access_log /dev/stdout", f"access_log {conf_dir}/access.log")
     return conf
 
 
 class Gateway:
     def __init__(self, tmp: Path, upstreams: list[str]) -> None:
         self.tmp = tmp
-        self.port = local_verifier.free_port()
+        self.port, self.health_port = local_verifier.free_port(), local_verifier.free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.access_log = tmp / "access.log"
         (tmp / "gateway.conf").write_text(render_gateway_conf(
-            GATEWAY_CONF.read_text(), upstreams, self.address, self.access_log))
+            GATEWAY_CONF.read_text(), upstreams,
+            {8080: self.address, 8081: f"127.0.0.1:{self.health_port}"}, tmp))
+        shutil.copy(GATEWAY_CONF.with_name("routes.conf"), tmp / "routes.conf")
         temp = "\n".join(f"    {name}_temp_path {tmp}/{name};" for name in
                          ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
         (tmp / "nginx.conf").write_text(f"""
@@ -168,15 +174,24 @@ def counters(replicas: list[Replica], name: str) -> list[float]:
     return [r.metrics()[name] for r in replicas]
 
 
-def test_render_replaces_only_the_upstreams_and_the_listen_address(tmp_path):
+def test_render_replaces_only_upstreams_listeners_and_paths(tmp_path):
     shipped = GATEWAY_CONF.read_text()
-    out = render_gateway_conf(shipped, ["127.0.0.1:1", "127.0.0.1:2"], "127.0.0.1:3",
-                              tmp_path / "a.log")
-    assert "cluster.local" not in out and "listen 127.0.0.1:3 http2;" in out
+    out = render_gateway_conf(shipped, ["127.0.0.1:1", "127.0.0.1:2"],
+                              {8080: "127.0.0.1:3", 8081: "127.0.0.1:4"}, tmp_path)
+    assert "cluster.local" not in out and "/etc/nginx" not in out
+    assert "listen 127.0.0.1:3 http2;" in out and "listen 127.0.0.1:4;" in out
     assert re.findall(r"server (127\.0\.0\.1:\d) max_fails=1 fail_timeout=5s;", out) == [
         "127.0.0.1:1", "127.0.0.1:2"]
-    strip = re.compile(r"^\s*(server \S+:\d+ [^;]*;|listen .*;|access_log .*;)\n", re.M)
+    strip = re.compile(r"^\s*(server \S+:\d+ [^;]*;|listen .*;|access_log .*;|include .*;)\n",
+                       re.M)
     assert strip.sub("", out) == strip.sub("", shipped)
+
+
+def test_the_gateway_answers_its_health_check(cluster):
+    gateway, _ = cluster
+    with urllib.request.urlopen(f"http://127.0.0.1:{gateway.health_port}/healthz",
+                                timeout=5) as reply:
+        assert reply.status == 200 and reply.read() == b"ok\n"
 
 
 def test_generations_and_documents_stick_to_one_replica(cluster, tiny_llama_pair):

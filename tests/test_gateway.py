@@ -36,7 +36,7 @@ from edge_client import local_verifier
 from edge_client.bench.fleet.config import FleetConfig
 from edge_client.bench.fleet.run import run_fleet_async
 from edge_client.client import AsyncEdgeClient, GenerationConfig
-from edge_client.connection import document_routing_key
+from edge_client.connection import RetryPolicy, document_routing_key
 
 REPO = Path(__file__).resolve().parent.parent
 GATEWAY_CONF = REPO / "deploy" / "nginx" / "gateway.conf"
@@ -187,6 +187,36 @@ def test_render_replaces_only_upstreams_listeners_and_paths(tmp_path):
     assert strip.sub("", out) == strip.sub("", shipped)
 
 
+def test_the_gateway_image_configuration_passes_nginx_t(tmp_path):
+    """The image's nginx.conf with every file of deploy/nginx (the TLS listener too, with a
+    throwaway certificate) is what nginx accepts; only the k8s upstream names, which do not
+    resolve here, become loopback ones."""
+    conf_dir, tls = tmp_path / "edgespec", tmp_path / "tls"
+    conf_dir.mkdir()
+    tls.mkdir()
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                           "-keyout", str(tls / "tls.key"), "-out", str(tls / "tls.crt"),
+                           "-days", "1", "-subj", "/CN=gateway"], capture_output=True)
+    assert made.returncode == 0, made.stderr
+    upstreams = [f"127.0.0.1:{50051 + i}" for i in range(8)]
+    (conf_dir / "gateway.conf").write_text(render_gateway_conf(
+        GATEWAY_CONF.read_text(), upstreams, {8080: "127.0.0.1:8080", 8081: "127.0.0.1:8081"},
+        conf_dir))
+    for name in ("routes.conf", "tls.conf"):
+        text = (GATEWAY_CONF.parent / name).read_text()
+        (conf_dir / name).write_text(text.replace("/etc/nginx/edgespec/", f"{conf_dir}/")
+                                     .replace("/etc/nginx/tls/", f"{tls}/"))
+    main = (GATEWAY_CONF.parent / "nginx.conf").read_text().replace(
+        "/tmp/", f"{tmp_path}/").replace("/etc/nginx/edgespec/", f"{conf_dir}/")
+    assert "tls*.conf" in main and "gateway.conf" in main
+    (tmp_path / "nginx.conf").write_text(main)
+    check = subprocess.run([nginx_binary(), "-t", "-p", str(tmp_path), "-e",
+                            str(tmp_path / "error.log"), "-c", str(tmp_path / "nginx.conf")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert "test is successful" in check.stderr
+
+
 def test_the_gateway_answers_its_health_check(cluster):
     gateway, _ = cluster
     with urllib.request.urlopen(f"http://127.0.0.1:{gateway.health_port}/healthz",
@@ -288,46 +318,64 @@ def check_fleet(res: dict, want: dict) -> None:
     assert all(got[k] == want[k] for k in got), "an output differs from the target's text"
 
 
+PROBE_KEY = document_routing_key("kill-drill")
+PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+PROBE_TOKENS = 100
+
+
+async def probe_generation(address: str, draft_dir: Path, on_tokens=None):
+    """One long greedy generation with a fixed routing key: (tokens, stats)."""
+    async with AsyncEdgeClient(address, draft_dir, protocol="rounds",
+                               retry=RetryPolicy(budget_s=60.0)) as client:
+        gen = client.generate(PROBE_PROMPT, GenerationConfig(max_new_tokens=PROBE_TOKENS,
+                                                             ignore_eos=True),
+                              routing_key=PROBE_KEY)
+        async for _ in gen:
+            if on_tokens is not None:
+                on_tokens(len(gen.token_ids))
+        return gen.token_ids, gen.stats
+
+
 def test_fleet_survives_kill_9_of_a_replica(cluster, reference, tiny_llama_pair):
-    """6 clients, 3 requests each; once 60 tokens have been committed (past the warm-up),
-    kill -9 of the replica with the most open sessions."""
+    """A fleet (6 clients, 3 requests each) and one long generation run through the
+    gateway; when the long one has 10 of its 100 tokens, its replica (found from the
+    metrics of an undisturbed run) is killed with SIGKILL, along with whatever fleet
+    sessions it holds."""
     gateway, replicas = cluster
     want, cache = reference
+    rounds = "edgespec_verify_rounds_total"
+    before = counters(replicas, rounds)
+    probe_want, _ = asyncio.run(probe_generation(gateway.address, tiny_llama_pair.draft_dir))
+    [victim] = [i for i, (a, b) in enumerate(zip(counters(replicas, rounds), before,
+                                                 strict=True)) if a > b]
+    before = counters(replicas, rounds)
     killed: list[int] = []
-    emitted = "edgespec_spec_decode_num_emitted_tokens_total"
-    start = sum(counters(replicas, emitted))
-    before = counters(replicas, "edgespec_verify_rounds_total")
-    done = threading.Event()
 
-    def kill_busiest() -> None:
-        while not done.wait(0.02):
-            if sum(counters(replicas, emitted)) - start < 60:
-                continue
-            sessions = counters(replicas, "edgespec_active_sessions")
-            victim = max(range(REPLICAS), key=lambda i: sessions[i])
-            if sessions[victim] > 0:
-                killed.append(victim)
-                replicas[victim].kill9()
-                return
+    def kill_at(n: int) -> None:
+        if n >= 10 and not killed:
+            killed.append(n)
+            replicas[victim].kill9()
 
-    killer = threading.Thread(target=kill_busiest)
-    killer.start()
+    async def drill():
+        config = FleetConfig(**(FLEET | {"duration_s": 300.0, "max_requests": 3}))
+        return await asyncio.gather(
+            run_fleet_async(gateway.address, config, tiny_llama_pair.draft_dir, cache),
+            probe_generation(gateway.address, tiny_llama_pair.draft_dir, kill_at))
+
     try:
-        res = fleet(gateway.address, tiny_llama_pair.draft_dir, cache, duration_s=300.0,
-                    max_requests=3)
+        res, (probe_got, probe_stats) = asyncio.run(drill())
+        after = [r.metrics()[rounds] if i != victim else 0.0 for i, r in enumerate(replicas)]
     finally:
-        done.set()
-        killer.join()
-    assert killed, "no replica had open sessions once the fleet ran"
-    after = [r.metrics()["edgespec_verify_rounds_total"] if i != killed[0] else 0.0
-             for i, r in enumerate(replicas)]
-    replicas[killed[0]].restart()
+        if replicas[victim].proc.poll() is not None:
+            replicas[victim].restart()
+    assert killed, "the long generation never reached its 10th token"
+    # The long generation lost its stream, reopened on another replica, and finished with
+    # the undisturbed run's tokens.
+    assert probe_stats.reopens >= 1 and probe_stats.lost_attempts, probe_stats
+    assert probe_got == probe_want
     check_fleet(res, want)
-    a = res["aggregate"]
-    assert a["requests_completed"] == 18, a
-    # The killed replica's streams were lost and reopened elsewhere, losslessly.
-    assert a["reopens"] >= 1 and sum(a["errors"].values()) >= 1, a
-    survivors = [i for i in range(REPLICAS) if i != killed[0]]
+    assert res["aggregate"]["requests_completed"] == 18, res["aggregate"]
+    survivors = [i for i in range(REPLICAS) if i != victim]
     assert sum(after[i] - before[i] for i in survivors) > 0
 
 

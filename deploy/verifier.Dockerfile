@@ -2,7 +2,9 @@
 # The cloud verifier: the base install plus the `cloud` extra on PyTorch's CUDA wheel, health
 # checked through grpc.health.v1, the default target prepared at build time.
 #   docker build -f deploy/verifier.Dockerfile -t edgespec-verifier .
-#   docker run --rm --gpus all -p 50051:50051 -p 9400:9400 edgespec-verifier
+#   docker run --rm --gpus all -p 50051:50051 edgespec-verifier \
+#     --tls-cert /certs/tls.crt --tls-key /certs/tls.key     # or --insecure behind a gateway
+# It binds all interfaces, so it needs TLS or an explicit --insecure (docs/security.md).
 # The CUDA wheels bundle the CUDA runtime, cuBLAS and cuDNN (as nvidia-* wheels); the host only
 # provides the driver (NVIDIA Container Toolkit, or the GPU operator on Kubernetes). So the base
 # is plain python-slim: a CUDA base image would be a second, redundant copy of the runtime.

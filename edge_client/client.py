@@ -152,22 +152,24 @@ class AsyncEdgeClient:
         return list(prompt)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
-                 chat: bool = True) -> AsyncGeneration:
-        """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids."""
+                 chat: bool = True, routing_key: str | None = None) -> AsyncGeneration:
+        """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids.
+        ``routing_key``: see ``edge_client.core.generate`` (None: a fresh one)."""
         if self.info is None:
             raise RuntimeError("call connect() (or use `async with`) before generate()")
-        return AsyncGeneration(self, self.prompt_ids(prompt, chat), config)
+        return AsyncGeneration(self, self.prompt_ids(prompt, chat), config, routing_key)
 
 
 class AsyncGeneration:
     """One generation: ``async for`` it for committed token chunks, or use ``text()``."""
 
     def __init__(self, client: AsyncEdgeClient, prompt_ids: list[int],
-                 config: GenerationConfig) -> None:
+                 config: GenerationConfig, routing_key: str | None = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         self.client = client
         self.config = config
+        self.routing_key = routing_key
         self.prompt_ids = list(prompt_ids)
         self.token_ids: list[int] = []  # generated so far
         self.stats = GenerationStats()
@@ -186,7 +188,7 @@ class AsyncGeneration:
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
         async with contextlib.aclosing(generate(
                 client.conn, state, model_proposer(drafter, self.stats), self.stats,
-                client.info, rng)) as deliveries:
+                client.info, rng, self.routing_key)) as deliveries:
             async for delivery in deliveries:
                 self.token_ids.extend(delivery.tokens)
                 yield delivery.tokens
@@ -238,8 +240,8 @@ class EdgeClient:
         return self._async.protocol
 
     def generate(self, prompt: str | list[int], config: GenerationConfig = GenerationConfig(),
-                 chat: bool = True) -> Generation:
-        return Generation(self, self._async.generate(prompt, config, chat))
+                 chat: bool = True, routing_key: str | None = None) -> Generation:
+        return Generation(self, self._async.generate(prompt, config, chat, routing_key))
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -24,6 +24,7 @@ prompt would cross the network in the clear.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import secrets
 import time
@@ -241,3 +242,10 @@ class Connection:
 
 def new_routing_key() -> str:
     return secrets.token_hex(16)
+
+
+def document_routing_key(document: str) -> str:
+    """The routing key of every generation over one document (an IME text field, a chat):
+    a gateway hashing it sends them all to the replica whose prefix cache holds the text
+    typed so far. A digest, so the gateway's logs never see the document's name."""
+    return hashlib.sha256(document.encode()).hexdigest()[:32]

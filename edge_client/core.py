@@ -189,14 +189,19 @@ class _Wire:
 
 async def generate(conn: Connection, state: GenerationState, propose: Propose,
                    stats: GenerationStats, info: pb.GetInfoResponse,
-                   rng: np.random.Generator) -> AsyncIterator[Delivery]:
+                   rng: np.random.Generator,
+                   routing_key: str | None = None) -> AsyncIterator[Delivery]:
     """Runs one generation to its end, yielding each forward's tokens as the device has them.
+
+    ``routing_key`` goes with every call of the generation (a gateway hashes it to pick a
+    replica); None draws a fresh one. An app passes one key for all the generations over one
+    document (``connection.document_routing_key``) so that they meet their prefix cache.
 
     Raises RequestRejected (a refusal retrying cannot fix), VerifierUnavailable (no progress
     within the retry budget), IncompatibleVerifier (a restarted verifier serves another
     target) or ProtocolError (a reply inconsistent with the request).
     """
-    wire = _Wire(conn, stats, new_routing_key())
+    wire = _Wire(conn, stats, routing_key or new_routing_key())
     backoff = Backoff(conn.retry, rng)
     attempt_of = {CLOUD: _cloud, LOOKAHEAD: _lookahead}.get(state.protocol, _rounds)
     recheck = False

@@ -400,7 +400,8 @@ async def _rounds(wire: _Wire, state: GenerationState, propose: Propose,
         await io.finish()
         keep = True
     except (asyncio.CancelledError, GeneratorExit):
-        if isinstance(io, KeptStream):  # a keystroke: stop the suggestion, keep the session
+        if isinstance(io, KeptStream) and io.started:
+            # A keystroke: stop the suggestion, keep the session.
             io.write_soon(state.cancel_message())
             keep = True
         raise

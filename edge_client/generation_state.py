@@ -260,7 +260,12 @@ class GenerationState:
         if any(not 0 <= t < self.limits.vocab_size for t in append):
             raise ValueError("an appended token id is outside the vocabulary")
         self.params = replace(self.params, max_new_tokens=max_new_tokens)
-        old_len, u = len(self.committed), self.unverified
+        # Unverified tokens the user kept (typed or accepted) are now text; the rest of them
+        # still waits to be verified, first, if the text did not change otherwise.
+        u, self.unverified = self.unverified, None
+        if u is not None and keep == len(self.committed) \
+                and append == u.tokens[:len(append)] and len(append) < len(u.tokens):
+            self.unverified = _suffix(u, len(append))
         self.committed[keep:] = append
         if self.pending_edit is not None:
             # The verifier may not have the last edit (it was cancelled on its way): this
@@ -273,12 +278,6 @@ class GenerationState:
         self.round_no = 0
         self.finished = False
         self.pending = None
-        # Unverified tokens the user kept (typed or accepted) are now text; the rest of them
-        # still waits to be verified, first, if the text did not change otherwise.
-        self.unverified = None
-        if u is not None and keep == old_len and append == u.tokens[:len(append)] \
-                and len(append) < len(u.tokens):
-            self.unverified = _suffix(u, len(append))
         self.pending_edit = pb.Edit(keep_length=keep, append_token_ids=append,
                                     suggestion=self.suggestion, max_new_tokens=max_new_tokens)
 

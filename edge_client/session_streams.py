@@ -54,6 +54,9 @@ class KeptStream:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.reader = asyncio.ensure_future(self._receive())
         self._last_write: asyncio.Future | None = None
+        # Whether a message was handed to the call: until then the verifier has no session
+        # on this stream (an open cancelled on its way), and it must not be kept.
+        self.started = False
 
     async def _receive(self) -> None:
         try:
@@ -79,8 +82,10 @@ class KeptStream:
 
     async def write(self, message) -> None:
         await self.wire.send(message, round_trip=True)
+        queued = self._queue_write(message)
+        self.started = True
         try:
-            await asyncio.shield(self._queue_write(message))
+            await asyncio.shield(queued)
         except asyncio.InvalidStateError:
             # The verifier ended the stream first (an eviction while idle, a drain): the
             # reader has its status.

@@ -115,9 +115,6 @@ class RoundRunner:
         return session
 
     def close(self, session: Session) -> None:
-        if not session.speculating and session.id in self.store:
-            session.speculating = True
-            self.metrics.sessions_not_speculating.dec()
         session.finished = True
         self.store.close(session.id)
         self.metrics.active_sessions.set(len(self.store))
@@ -136,8 +133,11 @@ class RoundRunner:
             self.close(session)
 
     def _retire_kv(self, session: Session) -> None:
-        """A closing session's KV buffer goes to the prefix cache, unless the session was
-        closed to free memory (evicted, expired)."""
+        """A closing session leaves the not-speculating gauge, and its KV buffer goes to the
+        prefix cache, unless the session was closed to free memory (evicted, expired)."""
+        if not session.speculating:  # however it closes, it no longer counts
+            session.speculating = True
+            self.metrics.sessions_not_speculating.dec()
         kv, session.kv = session.kv, None
         if kv is None:
             return

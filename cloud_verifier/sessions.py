@@ -102,9 +102,6 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._sessions
-
     def create(self, owner: str, sampling: SamplingParams, prompt: list[int],
                max_new_tokens: int, stop_token_ids: frozenset[int]) -> Session:
         if len(self._sessions) >= self._max:

@@ -70,6 +70,7 @@ class RoundOutcome:
     forward_ns: int
     batch_sessions: int = 1
     batch_tokens: int = 0
+    fed_tokens: int = 0  # positions this round fed (uncached tail + drafts)
 
 
 class VerifierEngine:
@@ -109,6 +110,17 @@ class VerifierEngine:
         return sum(self.kv.growth_bytes(s.kv, len(s.committed) + len(d.tokens))
                    for s, d in rounds)
 
+    def apply_edit(self, session: Session, keep: int, append: list[int]) -> None:
+        """Rewrites an editable session's text to ``committed[:keep] + append`` and rolls its
+        KV cache back to the kept tokens (explicit: ``SessionKV.crop``). The next round feeds
+        only what follows them: ``append`` plus its drafts."""
+        if not 0 <= keep <= len(session.committed):
+            raise ValueError(f"keep {keep} outside [0, {len(session.committed)}]")
+        session.committed[keep:] = append
+        if session.kv is not None:
+            # The cache never covers the last committed token: its logits start the next round.
+            session.kv.crop(min(keep, len(session.committed) - 1))
+
     def release(self, session: Session) -> None:
         self.kv.release(session.kv)
         session.kv = None
@@ -143,10 +155,11 @@ class VerifierEngine:
             decisions = self._decide(batch, logits)  # waits for the device: one host copy
             forward_ns = timer.elapsed_ns()
             batch_tokens = sum(len(s.tokens) for s in segments)
-            for i, (session, draft), (n, next_token, valid) in zip(ready, batch, decisions,
-                                                                   strict=True):
+            for i, segment, (session, draft), (n, next_token, valid) in zip(
+                    ready, segments, batch, decisions, strict=True):
                 results[i] = self._apply(session, draft, n, next_token, forward_ns,
-                                         len(segments), batch_tokens) if valid else \
+                                         len(segments), batch_tokens,
+                                         len(segment.tokens)) if valid else \
                     RuntimeError("the target's logits for this round have a NaN or no finite "
                                  "maximum")
         return results  # type: ignore[return-value]
@@ -183,12 +196,13 @@ class VerifierEngine:
                             torch.tensor(uniforms, dtype=torch.float64)).tolist()
 
     def _apply(self, session: Session, draft: DraftRound, n: int, next_token: int,
-               forward_ns: int, batch_sessions: int, batch_tokens: int) -> RoundOutcome:
+               forward_ns: int, batch_sessions: int, batch_tokens: int, fed: int
+               ) -> RoundOutcome:
         appended, finished = self._commit(session, draft.tokens[:n] + [next_token])
         # Rollback: only committed[:-1] stays valid; later positions will be overwritten.
         session.kv.length = len(session.committed) - 1
         return RoundOutcome(n, next_token, appended, finished, forward_ns, batch_sessions,
-                            batch_tokens)
+                            batch_tokens, fed)
 
     def _commit(self, session: Session, tokens: list[int]) -> tuple[list[int], bool]:
         appended: list[int] = []

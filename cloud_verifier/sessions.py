@@ -72,6 +72,13 @@ class Session:
     # recomputed later). A reader that stops reading is the stream's business: the
     # stalled-reader limit closes it as STREAM_IDLE (cloud_verifier.service).
     streamed: bool = False
+    # Editable (OpenSession.editable): serves one suggestion after another; finishing one
+    # does not close the session. ``suggestion`` is the current one's number.
+    editable: bool = False
+    suggestion: int = 0
+    # Whether the last suggested_draft_len was above 0; its changes are the acceptance
+    # collapses (and recoveries) the metrics count.
+    speculating: bool = True
 
     @property
     def cache_len(self) -> int:

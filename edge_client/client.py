@@ -33,7 +33,18 @@ import numpy as np
 
 from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
 from edge_client.connection import ClientTls, Connection, Deadlines, RetryPolicy
-from edge_client.core import GenerationStats, generate, model_proposer
+from edge_client.core import (
+    DRAFT_ONLY,
+    FAIL,
+    FALLBACKS,
+    Delivery,
+    GenerationStats,
+    draft_alone,
+    generate,
+    model_proposer,
+    unverified_delivery,
+)
+from edge_client.document import AsyncDocument, Document
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling
 from edge_client.errors import (  # noqa: F401 - part of this module's API
@@ -73,8 +84,22 @@ class GenerationConfig:
     # Off by default: both depend on load, so sampled outputs would no longer be a function
     # of the seed (they stay exact in distribution).
     follow_suggested_draft_len: bool = False
+    # When the verifier is unreachable or too slow: "fail" (retry within the retry budget,
+    # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
+    # marked unverified, and they are verified when the verifier is back; edge_client.core).
+    fallback: str = FAIL
+    # A latency budget: past it a generation (or a document's suggestion) ends with the
+    # verified tokens it has, plus the draft's unverified continuation: the drafts on their
+    # way to the verifier, and with fallback="draft-only" the draft alone up to
+    # max_new_tokens. None: no budget.
+    budget_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, "
+                             f"got {self.fallback!r}")
+        if self.budget_ms is not None and not self.budget_ms > 0:
+            raise ValueError("budget_ms must be > 0 (or None)")
         if self.drafter not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, "
                              f"got {self.drafter!r}")
@@ -159,6 +184,21 @@ class AsyncEdgeClient:
             raise RuntimeError("call connect() (or use `async with`) before generate()")
         return AsyncGeneration(self, self.prompt_ids(prompt, chat), config, routing_key)
 
+    def document(self, config: GenerationConfig = GenerationConfig()) -> AsyncDocument:
+        """An editing session for one text field (edge_client.document); no RPC until its
+        first suggestion."""
+        return AsyncDocument(self, config)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one delivery. ``verified`` False: drafted on the device alone. ``replaces``:
+    how many unverified tokens at the end of the text so far this chunk takes back first."""
+
+    token_ids: list[int]
+    verified: bool = True
+    replaces: int = 0
+
 
 class AsyncGeneration:
     """One generation: ``async for`` it for committed token chunks, or use ``text()``."""
@@ -171,10 +211,29 @@ class AsyncGeneration:
         self.config = config
         self.routing_key = routing_key
         self.prompt_ids = list(prompt_ids)
-        self.token_ids: list[int] = []  # generated so far
+        self.token_ids: list[int] = []  # generated and verified so far
+        self.unverified_ids: list[int] = []  # after them: drafted alone, not verified (yet)
         self.stats = GenerationStats()
+        self.budget_spent = False  # config.budget_ms ran out before the generation ended
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
+        """The verified token chunks (``chunks()`` also has the unverified ones)."""
+        async for chunk in self.chunks():
+            if chunk.verified and chunk.token_ids:
+                yield chunk.token_ids
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Every chunk, verified or not: with ``fallback="draft-only"``, tokens the draft
+        proposed alone come marked unverified, and a verified chunk may first take back
+        (``replaces``) unverified ones at the end of what came before."""
+        async for delivery in self._deliveries():
+            if delivery.replaces:
+                del self.unverified_ids[len(self.unverified_ids) - delivery.replaces:]
+            (self.token_ids if delivery.verified else self.unverified_ids).extend(
+                delivery.tokens)
+            yield Chunk(list(delivery.tokens), delivery.verified, delivery.replaces)
+
+    async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
         adaptive = cfg.follow_suggested_draft_len
         state = GenerationState(self.prompt_ids, cfg.session_params(),
@@ -186,12 +245,39 @@ class AsyncGeneration:
                                              state.limits.q_support(cfg.max_support)),
                                np.random.default_rng(cfg.seed))
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
+        propose = model_proposer(drafter, self.stats)
+        deadline = None if cfg.budget_ms is None else (
+            asyncio.get_running_loop().time() + cfg.budget_ms / 1000)
         async with contextlib.aclosing(generate(
-                client.conn, state, model_proposer(drafter, self.stats), self.stats,
-                client.info, rng, self.routing_key)) as deliveries:
-            async for delivery in deliveries:
-                self.token_ids.extend(delivery.tokens)
-                yield delivery.tokens
+                client.conn, state, propose, self.stats, client.info, rng,
+                self.routing_key, fallback=cfg.fallback)) as deliveries:
+            while True:
+                try:
+                    # The budget bounds the waits for the core only, never the caller's
+                    # code between chunks.
+                    async with asyncio.timeout_at(deadline):
+                        delivery = await anext(deliveries)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    break
+                yield delivery
+        # The budget is spent: the drafts on their way to the verifier, then (draft-only)
+        # the draft alone, come unverified.
+        self.budget_spent = True
+        in_flight = state.pending
+        if in_flight is not None and in_flight.tokens and state.unverified is None:
+            state.add_unverified(in_flight.prefix(state.remaining))
+            yield unverified_delivery(state.unverified.tokens)
+        if cfg.fallback == DRAFT_ONLY:
+            async for delivery in draft_alone(state, propose, self._stop_ids(), self.stats):
+                yield delivery
+        self.stats.unverified_tokens = state.num_unverified
+
+    def _stop_ids(self) -> frozenset[int]:
+        cfg = self.config
+        return frozenset(cfg.stop_token_ids or (
+            () if cfg.ignore_eos else self.client.info.eos_token_ids))
 
     async def text(self) -> AsyncIterator[str]:
         stream = TextStream(self.client.tokenizer)
@@ -243,6 +329,9 @@ class EdgeClient:
                  chat: bool = True, routing_key: str | None = None) -> Generation:
         return Generation(self, self._async.generate(prompt, config, chat, routing_key))
 
+    def document(self, config: GenerationConfig = GenerationConfig()) -> Document:
+        return Document(self, self._async.document(config))
+
     def close(self) -> None:
         if self._loop.is_running():
             self._call(self._async.close())
@@ -283,6 +372,10 @@ class Generation:
     def prompt_ids(self) -> list[int]:
         return self._inner.prompt_ids
 
+    @property
+    def unverified_ids(self) -> list[int]:
+        return self._inner.unverified_ids
+
     def cancel(self) -> None:
         """Stops the generation from any thread; the server's session closes at once."""
         self._cancelled.set()
@@ -291,13 +384,21 @@ class Generation:
             self._client._loop.call_soon_threadsafe(task.cancel)
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The verified token chunks."""
+        return self._iterate(self._inner.__aiter__)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every chunk, verified or not (AsyncGeneration.chunks)."""
+        return self._iterate(self._inner.chunks)
+
+    def _iterate(self, source) -> Iterator:
         if self._task is not None:
             raise RuntimeError("a generation runs once")
         chunks: queue.SimpleQueue = queue.SimpleQueue()
 
         async def pump() -> None:
             try:
-                async for chunk in self._inner:
+                async for chunk in source():
                     chunks.put(chunk)
             except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
                 chunks.put(exc)

@@ -8,7 +8,6 @@ real edge client with the tiny ONNX draft.
 from __future__ import annotations
 
 import asyncio
-
 import shutil
 
 import grpc

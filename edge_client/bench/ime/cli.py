@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from edge_client.bench.fleet.netem import PROFILES
+from edge_client.bench.ime.typist import TypingProfile
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
                    help="the messages to type, one a line (default: the benchmark's own)")
     p.add_argument("--typo-rate", type=float, default=0.03,
                    help="per letter: mistyped, then erased with a backspace")
+    p.add_argument("--linger-ms", type=float, default=TypingProfile.linger_ms,
+                   help="after a message's last key, how long the user waits for its "
+                        "suggestion before sending")
     p.add_argument("--fallback", choices=("fail", "draft-only"), default="draft-only",
                    help="edit sessions while the verifier is away")
     p.add_argument("--budget-ms", type=float, default=None,
@@ -70,7 +74,7 @@ def cmd_ime(args: argparse.Namespace) -> int:
     from edge_client.bench.ime.modes import edit_sessions_available
     from edge_client.bench.ime.report import build_report, summary_lines, write_json
     from edge_client.bench.ime.run import ImeConfig, run_ime
-    from edge_client.bench.ime.typist import TypingProfile, load_messages
+    from edge_client.bench.ime.typist import load_messages
     from edge_client.bench.ime.verifier import SpawnedVerifier, VerifierHandle
     from edge_client.local_verifier import VerifierStartError
 
@@ -90,7 +94,8 @@ def cmd_ime(args: argparse.Namespace) -> int:
                            outage_s=args.outage, recovery_s=args.recovery,
                            retry_budget_s=args.retry_budget_s,
                            draft_threads=args.draft_threads, progress=not args.no_progress,
-                           typing=TypingProfile(typo_rate=args.typo_rate))
+                           typing=TypingProfile(typo_rate=args.typo_rate,
+                                                linger_ms=args.linger_ms))
     except (ValueError, OSError) as err:
         raise SystemExit(f"edgespec-bench ime: {err}") from None
     if args.embedded:

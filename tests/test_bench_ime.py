@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from edge_client.bench.eval_set import EvalPrompt, overlaps
 from edge_client.bench.ime.typist import BACKSPACE, Script, TypingProfile, type_message
@@ -122,3 +123,12 @@ def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path
             assert modes[name]["outage"] is None
     assert report["verifier"]["outage_drill"] == "ran"
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_edge_client_bench_ime_is_the_benchmark(capsys):
+    from edge_client.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench-ime", "--help"])
+    assert exc.value.code == 0
+    assert "usage: edgespec-bench ime" in capsys.readouterr().out

@@ -53,6 +53,7 @@ class KeyRecord:
     error: str | None = None  # the status of a failure raised to the IME
     target_forwards: int = 0  # as the client saw them
     fed_tokens: int | None = None  # tokens the target's forwards computed (edit sessions)
+    kept_tokens: int | None = None  # committed tokens the edit kept (edit sessions)
     drafted: int = 0
     accepted: int = 0
     draft_ms: float = 0.0
@@ -151,7 +152,10 @@ class EditMode(Mode):
         await self.document.__aenter__()
 
     async def suggest(self, text: str, max_new_tokens: int, record: KeyRecord) -> None:
-        record.context_tokens = len(self.client.tokenizer.encode(text))
+        ids = self.client.tokenizer.encode(text)
+        record.context_tokens = len(ids)
+        if not ids:  # a backspace emptied the field: nothing to continue
+            return
         try:
             s = await self.document.suggest(text, max_new_tokens=max_new_tokens,
                                             budget_ms=self.budget_ms)
@@ -162,6 +166,7 @@ class EditMode(Mode):
         st = s.stats
         record.target_forwards = st.target_forwards
         record.fed_tokens = st.fed_tokens
+        record.kept_tokens = st.kept_tokens
         record.drafted, record.accepted = st.drafted, st.accepted
         record.draft_ms, record.network_ms, record.verify_ms = (st.draft_ms, st.network_ms,
                                                                 st.verify_ms)

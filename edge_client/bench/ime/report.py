@@ -89,6 +89,10 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
         "tokens_computed_per_keystroke": computed,
         "tokens_per_suggestion": _mean([r.tokens + r.unverified for r in full]),
         "unverified_tokens": sum(r.unverified for r in records),
+        # Edit sessions: committed tokens each edit kept, and tokens the forwards fed.
+        "kept_tokens_per_keystroke": _mean([r.kept_tokens for r in records
+                                            if r.kept_tokens is not None]),
+        "client_fed_tokens_per_keystroke": per_key(sum(fed)) if fed else None,
         "acceptance": round(accepted / drafted, 4) if drafted else None,
         "cancelled": {
             "suggestions": len(cancelled),

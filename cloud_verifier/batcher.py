@@ -153,6 +153,7 @@ class RoundBatcher:
             ticket = self._queue[0]
             if ticket.abandoned:
                 self._queue.popleft()
+                self.metrics.cancelled_rounds.inc()
                 ticket.future.set_exception(RoundAbandoned())
                 continue
             if batch and tokens + ticket.num_tokens > self.max_batch_tokens:

@@ -67,6 +67,7 @@ class RoundOutcome:
     forward_ns: int
     batch_sessions: int = 1
     batch_tokens: int = 0
+    fed_tokens: int = 0  # positions this round fed (uncached tail + drafts)
 
 
 class VerifierEngine:
@@ -101,6 +102,17 @@ class VerifierEngine:
         return sum(self.kv.growth_bytes(s.kv, len(s.committed) + len(d.tokens))
                    for s, d in rounds)
 
+    def apply_edit(self, session: Session, keep: int, append: list[int]) -> None:
+        """Rewrites an editable session's text to ``committed[:keep] + append`` and rolls its
+        KV cache back to the kept tokens (explicit: ``SessionKV.crop``). The next round feeds
+        only what follows them: ``append`` plus its drafts."""
+        if not 0 <= keep <= len(session.committed):
+            raise ValueError(f"keep {keep} outside [0, {len(session.committed)}]")
+        session.committed[keep:] = append
+        if session.kv is not None:
+            # The cache never covers the last committed token: its logits start the next round.
+            session.kv.crop(min(keep, len(session.committed) - 1))
+
     def release(self, session: Session) -> None:
         self.kv.release(session.kv)
         session.kv = None
@@ -131,10 +143,10 @@ class VerifierEngine:
             logits = self._forward(self.model, segments)  # each [K+1, V]
             forward_ns = time.perf_counter_ns() - t0
             batch_tokens = sum(len(s.tokens) for s in segments)
-            for i, rows in zip(ready, logits, strict=True):
+            for i, segment, rows in zip(ready, segments, logits, strict=True):
                 session, draft = rounds[i]
                 results[i] = self._decide(session, draft, rows.cpu(), forward_ns,
-                                          len(segments), batch_tokens)
+                                          len(segments), batch_tokens, len(segment.tokens))
         return results  # type: ignore[return-value]
 
     def reserve(self, session: Session, draft: DraftRound) -> None:
@@ -152,7 +164,7 @@ class VerifierEngine:
         return (len(session.committed) + len(draft.tokens)) * self.kv.bytes_per_token
 
     def _decide(self, session: Session, draft: DraftRound, rows: torch.Tensor, forward_ns: int,
-                batch_sessions: int, batch_tokens: int) -> RoundOutcome:
+                batch_sessions: int, batch_tokens: int, fed: int) -> RoundOutcome:
         if session.sampling.is_greedy:
             n, next_token = verify_greedy(draft.tokens, rows)
         else:
@@ -166,7 +178,7 @@ class VerifierEngine:
         # Rollback: only committed[:-1] stays valid; later positions will be overwritten.
         session.kv.length = len(session.committed) - 1
         return RoundOutcome(n, next_token, appended, finished, forward_ns, batch_sessions,
-                            batch_tokens)
+                            batch_tokens, fed)
 
     def _commit(self, session: Session, tokens: list[int]) -> tuple[list[int], bool]:
         appended: list[int] = []

@@ -43,6 +43,13 @@ class SessionKV:
     def values(self, layer: int) -> torch.Tensor:
         return self.buffer[1, layer]
 
+    def crop(self, n: int) -> None:
+        """Keeps positions [0, n): the rollback after an edit of the committed text. Moves no
+        data; positions past ``length`` are never read and get overwritten."""
+        if n < 0:
+            raise ValueError(f"crop length {n} < 0")
+        self.length = min(self.length, n)
+
 
 class KVStore:
     MIN_CAPACITY = 64

@@ -94,5 +94,28 @@ class VerifierMetrics:
             "Fitted cost of one more token in a forward, relative to the fixed cost.",
             registry=r)
 
+        # Editing sessions (OpenSession.editable) and cancelled work.
+        self.edits = Counter("edgespec_session_edits",
+                             "Edits applied to editable sessions (each starts a suggestion).",
+                             registry=r)
+        self.edit_kept_tokens = Counter(
+            "edgespec_session_edit_kept_tokens",
+            "Committed tokens edits kept (their KV cache was reused, not recomputed).",
+            registry=r)
+        self.cancelled_rounds = Counter(
+            "edgespec_cancelled_rounds",
+            "Rounds dropped before their forward because the client cancelled or superseded "
+            "them (an edit, a half-close).", registry=r)
+        # Acceptance collapse: the suggested draft length fell to 0 (the client stops
+        # drafting and decodes; the server probes with K = 1 now and then) or came back.
+        self.speculation_changes = Counter(
+            "edgespec_speculation_changes",
+            "Sessions whose suggested draft length fell to 0 (collapsed) or rose from 0 "
+            "(resumed).", ["change"], registry=r)
+        self.sessions_not_speculating = Gauge(
+            "edgespec_sessions_not_speculating",
+            "Open sessions whose drafts do not pay now (suggested draft length 0).",
+            registry=r)
+
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

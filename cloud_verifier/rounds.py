@@ -24,6 +24,7 @@ from cloud_verifier.draft_policy import (
 from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import (
     Draining,
+    InvalidRequest,
     RoundOutOfOrder,
     SessionEvicted,
     SessionExpired,
@@ -34,7 +35,7 @@ from cloud_verifier.prefix_cache import PrefixCache
 from cloud_verifier.sessions import Session, SessionStore, short_id
 
 if TYPE_CHECKING:
-    from cloud_verifier.wire import OpenParams
+    from cloud_verifier.wire import EditParams, OpenParams
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class RoundResult:
     forward_ns: int
     suggested_draft_len: int = 0
     draft_token_cost: float | None = None
+    suggestion: int = 0  # editable sessions: the suggestion this round belongs to
+    fed_tokens: int = 0  # positions the forward fed for this session
 
 
 @dataclass
@@ -99,6 +102,7 @@ class RoundRunner:
         self.expire()
         session = self.store.create(owner, params.sampling, params.prompt,
                                     params.max_new_tokens, params.stop_token_ids)
+        session.editable = params.editable
         self.metrics.active_sessions.set(len(self.store))
         session.kv = self.prefix_cache.restore(owner, params.prompt)
         self.metrics.prefix_cache_queries.inc(len(params.prompt) - 1)
@@ -111,6 +115,9 @@ class RoundRunner:
         return session
 
     def close(self, session: Session) -> None:
+        if not session.speculating and session.id in self.store:
+            session.speculating = True
+            self.metrics.sessions_not_speculating.dec()
         session.finished = True
         self.store.close(session.id)
         self.metrics.active_sessions.set(len(self.store))
@@ -179,17 +186,19 @@ class RoundRunner:
         return draft_token_cost(load, token_cost, session_cost)
 
     async def run_round(self, session: Session, round_no: int, draft: DraftRound,
-                        follow_up: bool = False) -> RoundResult:
+                        follow_up: bool = False, edit: EditParams | None = None) -> RoundResult:
         """Runs one round of a session, shielded from the caller going away.
 
         The round (checks, forward, bookkeeping) runs as its own task holding the session
         lock, so a caller that goes away cannot leave the session half updated. If the
-        caller goes away before the forward starts, the round is dropped unapplied.
+        caller goes away before the forward starts, the round is dropped unapplied (its
+        ``edit``, if any, is applied all the same, first: later edits build on it).
         ``follow_up``: the caller submits the session's next round as soon as this one is
         answered (the batcher waits briefly for it).
         """
         handle = _Handle()
-        task = self._spawn(self._locked_round(session, round_no, draft, handle, follow_up))
+        task = self._spawn(self._locked_round(session, round_no, draft, handle, follow_up,
+                                              edit))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -202,9 +211,14 @@ class RoundRunner:
                            "one") from None
 
     async def _locked_round(self, session: Session, round_no: int, draft: DraftRound,
-                            handle: _Handle, follow_up: bool) -> RoundResult:
+                            handle: _Handle, follow_up: bool,
+                            edit: EditParams | None) -> RoundResult:
         async with session.lock:
+            if edit is not None:
+                self._check_alive(session)
+                self.apply_edit(session, edit)
             if handle.abandoned:
+                self.metrics.cancelled_rounds.inc()
                 raise RoundAbandoned()
             self._check_open(session, round_no)
             ticket = self.batcher.submit(session, draft, follow_up)
@@ -217,11 +231,43 @@ class RoundRunner:
                 self.close(session)  # a bug: only this session goes (the caller logs it)
                 raise
             result = self._account(session, round_no, draft, outcome, ticket.queue_ns)
-            if outcome.finished:
+            if outcome.finished and not session.editable:
                 self.close(session)
             return result
 
+    def apply_edit(self, session: Session, edit: EditParams) -> None:
+        """Starts the suggestion ``edit`` opens, over the edited text."""
+        sid = short_id(session.id)
+        if not session.editable:
+            raise RoundOutOfOrder(f"session {sid}... was not opened editable; it takes no edits")
+        if edit.suggestion <= session.suggestion:
+            raise RoundOutOfOrder(f"edit starts suggestion {edit.suggestion}; the session is "
+                                  f"at suggestion {session.suggestion} already")
+        if edit.keep > len(session.committed):
+            raise InvalidRequest(f"verify.edit.keep_length {edit.keep} is beyond the "
+                                 f"{len(session.committed)} committed tokens",
+                                 field="verify.edit.keep_length")
+        self.engine.apply_edit(session, edit.keep, edit.append)
+        session.prompt_len = len(session.committed)
+        session.max_new_tokens = edit.max_new_tokens
+        session.suggestion = edit.suggestion
+        session.next_round = 0
+        session.finished = False
+        self.metrics.edits.inc()
+        self.metrics.edit_kept_tokens.inc(edit.keep)
+
     def _check_open(self, session: Session, round_no: int) -> None:
+        self._check_alive(session)
+        sid = short_id(session.id)
+        if session.finished:
+            raise RoundOutOfOrder(f"session {sid}... has finished; " + (
+                "start the next suggestion with an edit" if session.editable
+                else "half-close the stream"))
+        if round_no != session.next_round:
+            raise RoundOutOfOrder(f"round {round_no} is out of order: the session expects "
+                                  f"round {session.next_round}")
+
+    def _check_alive(self, session: Session) -> None:
         sid = short_id(session.id)
         if session.expired:
             raise SessionExpired(f"session {sid}... sat idle past its TTL of "
@@ -230,11 +276,6 @@ class RoundRunner:
         if session.evicted:
             raise SessionEvicted(f"session {sid}... was evicted to free memory; reopen it "
                                  "with its full committed context as the prompt")
-        if session.finished:
-            raise RoundOutOfOrder(f"session {sid}... has finished; half-close the stream")
-        if round_no != session.next_round:
-            raise RoundOutOfOrder(f"round {round_no} is out of order: the session expects "
-                                  f"round {session.next_round}")
 
     def _account(self, session: Session, round_no: int, draft: DraftRound,
                  outcome: RoundOutcome, queue_ns: int) -> RoundResult:
@@ -244,6 +285,7 @@ class RoundRunner:
         session_cost, token_cost = self.batcher.cost_model.relative_costs()
         suggested = suggest_draft_len(session.acceptance.alpha, load,
                                       self.config.max_draft_len, token_cost, session_cost)
+        self._track_speculation(session, suggested > 0)
         if suggested == 0 and round_no % PROBE_EVERY == PROBE_EVERY - 1:
             suggested = 1  # keep measuring acceptance
         self.store.touch(session)
@@ -254,7 +296,17 @@ class RoundRunner:
             num_accepted=outcome.num_accepted, committed_length=len(session.committed),
             finished=outcome.finished, target_forwards=1, queue_ns=queue_ns,
             forward_ns=outcome.forward_ns, suggested_draft_len=suggested,
-            draft_token_cost=draft_token_cost(load, token_cost, session_cost))
+            draft_token_cost=draft_token_cost(load, token_cost, session_cost),
+            suggestion=session.suggestion, fed_tokens=outcome.fed_tokens)
+
+    def _track_speculation(self, session: Session, pays: bool) -> None:
+        """Counts acceptance collapses: the suggestion drops to 0 (both sides stop
+        speculating; the probes every PROBE_EVERY rounds do not count) or comes back."""
+        if session.speculating == pays:
+            return
+        session.speculating = pays
+        self.metrics.speculation_changes.labels("resumed" if pays else "collapsed").inc()
+        self.metrics.sessions_not_speculating.inc(-1 if pays else 1)
 
     def _observe(self, draft: DraftRound, outcome: RoundOutcome, queue_ns: int) -> None:
         m = self.metrics

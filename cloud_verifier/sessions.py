@@ -69,6 +69,13 @@ class Session:
     # Decoded by a stream the server drives (Generate, lookahead mode): never idle while it
     # lasts, so it is never evicted, only preempted (its KV dropped and recomputed later).
     streamed: bool = False
+    # Editable (OpenSession.editable): serves one suggestion after another; finishing one
+    # does not close the session. ``suggestion`` is the current one's number.
+    editable: bool = False
+    suggestion: int = 0
+    # Whether the last suggested_draft_len was above 0; its changes are the acceptance
+    # collapses (and recoveries) the metrics count.
+    speculating: bool = True
 
     @property
     def cache_len(self) -> int:
@@ -94,6 +101,9 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
 
     def create(self, owner: str, sampling: SamplingParams, prompt: list[int],
                max_new_tokens: int, stop_token_ids: frozenset[int]) -> Session:

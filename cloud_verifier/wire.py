@@ -43,6 +43,17 @@ class OpenParams:
     # Rounds: round 0 (NO_DRAFT when unset: one plain step). Lookahead: the first lookahead,
     # None when unset.
     first_draft: DraftRound | None
+    editable: bool = False  # serves many suggestions (rounds only)
+
+
+@dataclass(frozen=True)
+class EditParams:
+    """An edit of an editable session's text, starting suggestion ``suggestion``."""
+
+    keep: int
+    append: list[int]
+    suggestion: int
+    max_new_tokens: int
 
 
 def _check_token_ids(ids, vocab_size: int, where: str) -> list[int]:
@@ -160,7 +171,26 @@ def parse_open(msg: pb.OpenSession, limits: Limits,
         first = parse_draft(msg.first_draft, limits, "open.first_draft")
     else:
         first = NO_DRAFT if msg.drafting == ROUNDS else None
-    return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, msg.drafting, first)
+    if msg.editable and msg.drafting != ROUNDS:
+        raise InvalidRequest("open.editable needs DRAFTING_ROUNDS", field="open.editable")
+    return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, msg.drafting, first,
+                      bool(msg.editable))
+
+
+def parse_edit(msg: pb.Edit, limits: Limits, where: str = "verify.edit") -> EditParams:
+    """The edit's own fields; whether it fits the session (keep_length, the context) is
+    checked against the session when it is applied (RoundRunner)."""
+    append = _check_token_ids(msg.append_token_ids, limits.vocab_size,
+                              f"{where}.append_token_ids")
+    if msg.keep_length + len(append) < 1:
+        raise InvalidRequest(f"{where} leaves no text: keep_length + append_token_ids must be "
+                             "at least 1 token", field=f"{where}.keep_length")
+    if msg.keep_length + len(append) + 1 > limits.max_context:
+        raise ContextTooLong(f"{where} makes the text {msg.keep_length + len(append)} tokens; "
+                             f"the maximum context is {limits.max_context} including at least "
+                             "one new token", field=f"{where}.append_token_ids")
+    return EditParams(int(msg.keep_length), append, int(msg.suggestion),
+                      int(msg.max_new_tokens))
 
 
 def parse_generate(msg: pb.GenerateRequest, limits: Limits,
@@ -196,7 +226,8 @@ def step_to_pb(result: RoundResult, suggestion: bool = True) -> pb.Step:
         round=result.round, token_ids=result.token_ids, num_drafted=result.num_drafted,
         num_accepted=result.num_accepted, committed_length=result.committed_length,
         finished=result.finished, target_forwards=result.target_forwards,
-        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns))
+        timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
+        suggestion=result.suggestion, fed_tokens=result.fed_tokens)
     if suggestion:
         step.suggested_draft_len = result.suggested_draft_len
         if result.draft_token_cost is not None:

@@ -33,7 +33,15 @@ import numpy as np
 
 from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
 from edge_client.connection import Connection, Deadlines, RetryPolicy
-from edge_client.core import GenerationStats, generate, model_proposer
+from edge_client.core import (
+    FAIL,
+    FALLBACKS,
+    Delivery,
+    GenerationStats,
+    generate,
+    model_proposer,
+)
+from edge_client.document import AsyncDocument, Document
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling
 from edge_client.errors import (  # noqa: F401 - part of this module's API
@@ -72,8 +80,20 @@ class GenerationConfig:
     # Off by default: both depend on load, so sampled outputs would no longer be a function
     # of the seed (they stay exact in distribution).
     follow_suggested_draft_len: bool = False
+    # When the verifier is unreachable or too slow: "fail" (retry within the retry budget,
+    # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
+    # marked unverified, and they are verified when the verifier is back; edge_client.core).
+    fallback: str = FAIL
+    # A suggestion's latency budget (edge_client.document): past it a suggestion returns the
+    # verified tokens it has, plus the draft's unverified continuation. None: no budget.
+    budget_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, "
+                             f"got {self.fallback!r}")
+        if self.budget_ms is not None and not self.budget_ms > 0:
+            raise ValueError("budget_ms must be > 0 (or None)")
         if self.drafter not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, "
                              f"got {self.drafter!r}")
@@ -151,6 +171,21 @@ class AsyncEdgeClient:
             raise RuntimeError("call connect() (or use `async with`) before generate()")
         return AsyncGeneration(self, self.prompt_ids(prompt, chat), config)
 
+    def document(self, config: GenerationConfig = GenerationConfig()) -> AsyncDocument:
+        """An editing session for one text field (edge_client.document); no RPC until its
+        first suggestion."""
+        return AsyncDocument(self, config)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one delivery. ``verified`` False: drafted on the device alone. ``replaces``:
+    how many unverified tokens at the end of the text so far this chunk takes back first."""
+
+    token_ids: list[int]
+    verified: bool = True
+    replaces: int = 0
+
 
 class AsyncGeneration:
     """One generation: ``async for`` it for committed token chunks, or use ``text()``."""
@@ -162,10 +197,28 @@ class AsyncGeneration:
         self.client = client
         self.config = config
         self.prompt_ids = list(prompt_ids)
-        self.token_ids: list[int] = []  # generated so far
+        self.token_ids: list[int] = []  # generated and verified so far
+        self.unverified_ids: list[int] = []  # after them: drafted alone, not verified (yet)
         self.stats = GenerationStats()
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
+        """The verified token chunks (``chunks()`` also has the unverified ones)."""
+        async for chunk in self.chunks():
+            if chunk.verified and chunk.token_ids:
+                yield chunk.token_ids
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Every chunk, verified or not: with ``fallback="draft-only"``, tokens the draft
+        proposed alone come marked unverified, and a verified chunk may first take back
+        (``replaces``) unverified ones at the end of what came before."""
+        async for delivery in self._deliveries():
+            if delivery.replaces:
+                del self.unverified_ids[len(self.unverified_ids) - delivery.replaces:]
+            (self.token_ids if delivery.verified else self.unverified_ids).extend(
+                delivery.tokens)
+            yield Chunk(list(delivery.tokens), delivery.verified, delivery.replaces)
+
+    async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
         adaptive = cfg.follow_suggested_draft_len
         state = GenerationState(self.prompt_ids, cfg.session_params(),
@@ -179,10 +232,9 @@ class AsyncGeneration:
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
         async with contextlib.aclosing(generate(
                 client.conn, state, model_proposer(drafter, self.stats), self.stats,
-                client.info, rng)) as deliveries:
+                client.info, rng, fallback=cfg.fallback)) as deliveries:
             async for delivery in deliveries:
-                self.token_ids.extend(delivery.tokens)
-                yield delivery.tokens
+                yield delivery
 
     async def text(self) -> AsyncIterator[str]:
         stream = TextStream(self.client.tokenizer)
@@ -234,6 +286,9 @@ class EdgeClient:
                  chat: bool = True) -> Generation:
         return Generation(self, self._async.generate(prompt, config, chat))
 
+    def document(self, config: GenerationConfig = GenerationConfig()) -> Document:
+        return Document(self, self._async.document(config))
+
     def close(self) -> None:
         if self._loop.is_running():
             self._call(self._async.close())
@@ -274,6 +329,10 @@ class Generation:
     def prompt_ids(self) -> list[int]:
         return self._inner.prompt_ids
 
+    @property
+    def unverified_ids(self) -> list[int]:
+        return self._inner.unverified_ids
+
     def cancel(self) -> None:
         """Stops the generation from any thread; the server's session closes at once."""
         self._cancelled.set()
@@ -282,13 +341,21 @@ class Generation:
             self._client._loop.call_soon_threadsafe(task.cancel)
 
     def __iter__(self) -> Iterator[list[int]]:
+        """The verified token chunks."""
+        return self._iterate(self._inner.__aiter__)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every chunk, verified or not (AsyncGeneration.chunks)."""
+        return self._iterate(self._inner.chunks)
+
+    def _iterate(self, source) -> Iterator:
         if self._task is not None:
             raise RuntimeError("a generation runs once")
         chunks: queue.SimpleQueue = queue.SimpleQueue()
 
         async def pump() -> None:
             try:
-                async for chunk in self._inner:
+                async for chunk in source():
                     chunks.put(chunk)
             except BaseException as exc:  # noqa: BLE001 - handed to the iterating thread
                 chunks.put(exc)

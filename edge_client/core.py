@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -31,18 +32,26 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import numpy as np
 
-from edge_client.connection import Backoff, Connection, lost_connection, new_routing_key
+from edge_client.connection import (
+    Backoff,
+    Connection,
+    is_retryable,
+    lost_connection,
+    new_routing_key,
+)
 from edge_client.drafter import Proposal
-from edge_client.errors import IncompatibleVerifier
+from edge_client.errors import IncompatibleVerifier, VerifierUnavailable
 from edge_client.generation_state import (
     CLOUD,
     LOOKAHEAD,
     NO_DRAFTS,
+    ROUNDS,
     GenerationState,
     ProtocolError,
 )
 from edge_client.link import until
 from edge_client.rate_chooser import CONTINUE, SPEC
+from edge_client.session_streams import AttemptStream, KeptStream, SessionKeeper
 from shared.decode_rule import ends_decode
 from shared.errors import ErrorDetails, details_of
 from shared.pb import verifier_pb2 as pb
@@ -53,6 +62,11 @@ log = logging.getLogger(__name__)
 Propose = Callable[[list[int], int], Awaitable[Proposal]]
 # How long the core waits for the verifier to end a finished stream before cancelling it.
 _END_GRACE_S = 2.0
+# What a generation does when the verifier is away or too slow: fail (retry, then raise
+# VerifierUnavailable), or go on with the draft alone, its tokens marked unverified.
+FAIL = "fail"
+DRAFT_ONLY = "draft-only"
+FALLBACKS = (FAIL, DRAFT_ONLY)
 
 
 @dataclass
@@ -66,6 +80,15 @@ class GenerationStats:
     bytes_up: int = 0  # serialized protobuf bytes sent
     bytes_down: int = 0  # serialized protobuf bytes received
     reopens: int = 0
+    # Draft-only fallback: tokens the draft proposed alone while the verifier was away,
+    # those still unverified at the end, and those the verifier then replaced.
+    drafted_alone: int = 0
+    unverified_tokens: int = 0
+    replaced_tokens: int = 0
+    # Positions the verifier's forwards fed for this generation (Step.fed_tokens).
+    fed_tokens: int = 0
+    # Editing sessions: steps of superseded suggestions that arrived and were dropped.
+    stale_steps: int = 0
     # The status of every attempt lost (whether it was retried or ended the generation),
     # by code name: what a load test reports as errors.
     lost_attempts: dict[str, int] = field(default_factory=dict)
@@ -107,6 +130,11 @@ class Delivery:
     bytes_up: int
     bytes_down: int
     decoded: bool = False  # from a Decode: the verifier decoded alone
+    # False: drafted on the device alone (draft-only fallback), not verified yet.
+    verified: bool = True
+    # Unverified tokens at the end of what was delivered before that this delivery takes
+    # back (they are verified now: kept ones come again in ``tokens``, the rest replaced).
+    replaces: int = 0
 
 
 class _Wire:
@@ -122,10 +150,14 @@ class _Wire:
         return self.conn.stub.Session(timeout=self.conn.deadlines.stream_s,
                                       metadata=self.metadata)
 
-    async def write(self, call, message, round_trip: bool) -> None:
+    async def send(self, message, round_trip: bool) -> None:
+        """Accounts for a message and lets the (emulated) network carry it."""
         size = message.ByteSize()
         self._count(round_trip, size, 0)
         await self.conn.link.send(size)
+
+    async def write(self, call, message, round_trip: bool) -> None:
+        await self.send(message, round_trip)
         try:
             await call.write(message)
         except asyncio.InvalidStateError:
@@ -165,6 +197,7 @@ class _Wire:
 
     def deliver(self, state: GenerationState, step: pb.Step, proposal: Proposal | None,
                 at: float, decoded: bool = False) -> Delivery:
+        shown = state.num_unverified
         new = state.apply(step, proposal)
         s = self.stats
         s.rounds += 1
@@ -172,11 +205,13 @@ class _Wire:
         s.drafted += step.num_drafted
         s.accepted += step.num_accepted
         s.target_forwards += step.target_forwards
+        s.fed_tokens += step.fed_tokens
         queue_s, forward_s = step.timing.queue_ns / 1e9, step.timing.forward_ns / 1e9
         s.verify_s += queue_s + forward_s
         (rt, up, down), self.pending = self.pending, [0, 0, 0]
+        s.replaced_tokens = state.replaced
         return Delivery(new, at, step.num_drafted, step.num_accepted, step.target_forwards,
-                        queue_s, forward_s, rt, up, down, decoded)
+                        queue_s, forward_s, rt, up, down, decoded, replaces=shown)
 
     async def end(self, call) -> None:
         """Half-closes a finished stream and lets the verifier end it with its status."""
@@ -189,16 +224,43 @@ class _Wire:
 
 async def generate(conn: Connection, state: GenerationState, propose: Propose,
                    stats: GenerationStats, info: pb.GetInfoResponse,
-                   rng: np.random.Generator) -> AsyncIterator[Delivery]:
+                   rng: np.random.Generator,
+                   keeper: SessionKeeper | None = None,
+                   fallback: str = FAIL) -> AsyncIterator[Delivery]:
     """Runs one generation to its end, yielding each forward's tokens as the device has them.
+    With ``keeper`` (an editable ``state``), one suggestion of a document, on its kept
+    session; cancelling it stops the suggestion on the verifier and keeps the session.
+
+    ``fallback=DRAFT_ONLY``: when an attempt is lost (the verifier unreachable, or no reply
+    within the reply deadline), the draft goes on alone and its tokens are delivered marked
+    unverified while the generation retries; the first attempt that gets through verifies
+    them as its first drafts, and its delivery ``replaces`` them (what the verifier did not
+    accept is replaced, ``GenerationStats.replaced_tokens``). Past the retry budget the
+    generation ends with them unverified instead of raising VerifierUnavailable.
 
     Raises RequestRejected (a refusal retrying cannot fix), VerifierUnavailable (no progress
     within the retry budget), IncompatibleVerifier (a restarted verifier serves another
     target) or ProtocolError (a reply inconsistent with the request).
     """
-    wire = _Wire(conn, stats, new_routing_key())
+    if keeper is not None:
+        if not state.editable:
+            raise ValueError("a kept session needs an editable generation state")
+        wire = keeper.stream.wire if keeper.stream is not None else _Wire(
+            conn, stats, keeper.routing_key)
+        wire.stats = stats
+        wire.pending = [0, 0, 0]
+
+        def attempt_of(wire, state, propose):
+            return _rounds(wire, state, propose, keeper)
+    else:
+        wire = _Wire(conn, stats, new_routing_key())
+        attempt_of = {CLOUD: _cloud, LOOKAHEAD: _lookahead}.get(state.protocol, _rounds)
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}")
+    draft_only = fallback == DRAFT_ONLY and state.protocol == ROUNDS
+    stop_ids = frozenset(state.params.stop_token_ids or (
+        () if state.params.ignore_eos else info.eos_token_ids))
     backoff = Backoff(conn.retry, rng)
-    attempt_of = {CLOUD: _cloud, LOOKAHEAD: _lookahead}.get(state.protocol, _rounds)
     recheck = False
     started = time.perf_counter()
     try:
@@ -212,6 +274,9 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
                     async for delivery in attempt:
                         backoff.progress()
                         yield delivery
+                        if delivery.replaces and state.unverified is not None:
+                            # What is still unverified after the resync, shown again.
+                            yield _unverified_delivery(state.unverified.tokens)
                 continue
             except grpc.aio.AioRpcError as err:
                 details = details_of(err)
@@ -220,18 +285,66 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
                                        f"no reply within {conn.deadlines.reply_s} s", {})
             name = details.code.name
             stats.lost_attempts[name] = stats.lost_attempts.get(name, 0) + 1
+            if keeper is not None:
+                keeper.lost.set()
             if len(state.committed) > before:
                 backoff.progress()
             log.info("generation interrupted after %d tokens (%s %s: %s); reopening",
                      len(state.generated), details.code.name, details.reason or "-",
                      details.message)
-            await backoff.wait(details)
+            if draft_only and is_retryable(details):
+                async for delivery in _draft_alone(state, propose, stop_ids, stats):
+                    yield delivery
+            try:
+                await backoff.wait(details)
+            except VerifierUnavailable:
+                if not (draft_only and state.unverified is not None):
+                    raise
+                log.warning("the verifier stayed away; %d tokens stay unverified",
+                            state.num_unverified)
+                return
             recheck = recheck or lost_connection(details)
             state.reopens += 1
             stats.reopens += 1
     finally:
         stats.backoff_s = backoff.waited_s
         stats.wall_s = time.perf_counter() - started
+        stats.unverified_tokens = state.num_unverified
+
+
+def _unverified_delivery(tokens: list[int]) -> Delivery:
+    return Delivery(list(tokens), time.perf_counter(), 0, 0, 0, 0.0, 0.0, 0, 0, 0,
+                    verified=False)
+
+
+async def _draft_alone(state: GenerationState, propose: Propose, stop_ids: frozenset[int],
+                       stats: GenerationStats) -> AsyncIterator[Delivery]:
+    """The draft-only fallback: the round that was lost becomes unverified (it was drafted
+    after the committed text), then the draft proposes alone, a round's worth at a time,
+    until the generation's room is used or it proposes a stop token."""
+    lost, state.pending = state.pending, None
+    if lost is not None and lost.tokens and state.unverified is None:
+        state.add_unverified(_cut_at_stop(lost, stop_ids))
+        stats.drafted_alone += len(state.unverified.tokens)
+        yield _unverified_delivery(state.unverified.tokens)
+    while (room := state.unverified_room()) > 0:
+        shown = state.unverified.tokens if state.unverified is not None else []
+        if shown and shown[-1] in stop_ids:
+            return
+        k = min(room, max(1, state.limits.max_draft_len))
+        proposal = _cut_at_stop(await propose(state.committed + shown, k), stop_ids)
+        if not proposal.tokens:
+            return
+        state.add_unverified(proposal)
+        stats.drafted_alone += len(proposal.tokens)
+        yield _unverified_delivery(proposal.tokens)
+
+
+def _cut_at_stop(proposal: Proposal, stop_ids: frozenset[int]) -> Proposal:
+    for i, token in enumerate(proposal.tokens):
+        if token in stop_ids:
+            return proposal.prefix(i + 1)
+    return proposal
 
 
 async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse) -> None:
@@ -244,24 +357,32 @@ async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse) -> None:
                                    "one this generation started with")
 
 
-async def _rounds(wire: _Wire, state: GenerationState,
-                  propose: Propose) -> AsyncIterator[Delivery]:
-    """One Session stream of Verify rounds (and Decodes)."""
-    call = wire.session()
+async def _rounds(wire: _Wire, state: GenerationState, propose: Propose,
+                  keeper: SessionKeeper | None = None) -> AsyncIterator[Delivery]:
+    """One Session stream of Verify rounds (and Decodes); with ``keeper``, one suggestion of
+    an editable session, on the kept stream if one is open."""
+    reuse = keeper is not None and keeper.stream is not None
+    if keeper is None:
+        io = AttemptStream(wire)
+    elif reuse:
+        io = keeper.stream
+    else:
+        io = keeper.stream = KeptStream(wire)
+    keep = False
     try:
-        first = state.reopen_first()
+        first = state.resync_proposal() if reuse else state.reopen_first()
         if first is None:
             first = state.worth_sending(await propose(state.committed, state.next_k()))
-        await wire.write(call, state.open_message(first), round_trip=True)
-        yield await _answer(wire, call, state, first)
+        await io.write(state.verify_message(first) if reuse else state.open_message(first))
+        yield await _answer(io, state, first)
         while not state.finished:
             t0 = time.perf_counter()
             before = len(state.committed)
             if state.wants_decode():
                 message = state.decode_message()
-                await wire.write(call, message, round_trip=True)
+                await io.write(message)
                 while True:
-                    reply, at = await wire.read(call)
+                    reply, at = await io.read(state)
                     step = _step_of(reply)
                     await until(at)
                     yield wire.deliver(state, step, NO_DRAFTS, at, decoded=True)
@@ -269,21 +390,34 @@ async def _rounds(wire: _Wire, state: GenerationState,
                         break
                 state.observe(CONTINUE, len(state.committed) - before, time.perf_counter() - t0)
                 continue
-            proposal = state.worth_sending(await propose(state.committed, state.next_k()))
+            proposal = state.resync_proposal()
+            if proposal is None:
+                proposal = state.worth_sending(await propose(state.committed, state.next_k()))
             t0 = time.perf_counter()
-            await wire.write(call, state.verify_message(proposal), round_trip=True)
-            yield await _answer(wire, call, state, proposal)
+            await io.write(state.verify_message(proposal))
+            yield await _answer(io, state, proposal)
             state.observe(SPEC, len(state.committed) - before, time.perf_counter() - t0)
-        await wire.end(call)
+        await io.finish()
+        keep = True
+    except (asyncio.CancelledError, GeneratorExit):
+        if isinstance(io, KeptStream):  # a keystroke: stop the suggestion, keep the session
+            io.write_soon(state.cancel_message())
+            keep = True
+        raise
     finally:
-        call.cancel()
+        if not keep:
+            io.close()
+            if keeper is not None and keeper.stream is io:
+                keeper.stream = None
+        elif keeper is None:
+            io.close()
 
 
-async def _answer(wire: _Wire, call, state: GenerationState, proposal: Proposal) -> Delivery:
-    reply, at = await wire.read(call)
+async def _answer(io, state: GenerationState, proposal: Proposal) -> Delivery:
+    reply, at = await io.read(state)
     step = _step_of(reply)
     await until(at)
-    return wire.deliver(state, step, proposal, at)
+    return io.wire.deliver(state, step, proposal, at)
 
 
 def _step_of(reply) -> pb.Step:
@@ -384,14 +518,24 @@ async def _cloud(wire: _Wire, state: GenerationState,
         call.cancel()
 
 
-def model_proposer(drafter, stats: GenerationStats) -> Propose:
+def model_proposer(drafter, stats: GenerationStats,
+                   lock: threading.Lock | None = None) -> Propose:
     """Drafts with ``drafter`` (edge_client.combined_drafter.Drafter) in a worker thread, so
-    that the event loop keeps reading the stream (onnxruntime releases the GIL)."""
+    that the event loop keeps reading the stream (onnxruntime releases the GIL).
+
+    A cancelled await leaves its thread running; ``lock`` (one per drafter, for proposers
+    that share it) makes the next proposal wait for it, so that the draft's cache is used by
+    one proposal at a time."""
+    lock = lock or threading.Lock()
+
+    def locked(committed: list[int], k: int) -> Proposal:
+        with lock:
+            return drafter.propose(committed, k)
 
     async def propose(committed: list[int], k: int) -> Proposal:
         t0 = time.perf_counter()
         try:
-            return await asyncio.to_thread(drafter.propose, list(committed), k)
+            return await asyncio.to_thread(locked, list(committed), k)
         finally:
             stats.draft_s += time.perf_counter() - t0
 

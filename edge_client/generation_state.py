@@ -14,7 +14,7 @@ have, greedy or sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edge_client.drafter import Proposal
 from edge_client.errors import EdgeError
@@ -84,14 +84,29 @@ class GenerationState:
 
     def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
                  draft_len: int, protocol: str = ROUNDS, follow_suggestion: bool = False,
-                 chooser: RateChooser | None = None) -> None:
+                 chooser: RateChooser | None = None, editable: bool = False) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if draft_len < 0:
             raise ValueError("draft_len must be >= 0")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
+        if editable and protocol != ROUNDS:
+            raise ValueError("an editable session needs the rounds protocol")
         self.params = params
+        # An editing session (edge_client.document): one session, many suggestions. Each
+        # ``edit`` starts the next suggestion; the edit travels with that suggestion's first
+        # round (``pending_edit``), or, when the session must be (re)opened, is already part
+        # of the text the open sends.
+        self.editable = editable
+        self.suggestion = 0
+        self.pending_edit: pb.Edit | None = None
+        # Draft-only fallback (edge_client.core): tokens the draft proposed after
+        # ``committed`` while the verifier was away, shown as unverified. When it is back
+        # they are sent first, as drafts, so the verifier verifies them (losslessly, with
+        # their q); what it does not accept is replaced (``replaced``).
+        self.unverified: Proposal | None = None
+        self.replaced = 0
         self.limits = limits
         self.draft_len = draft_len
         self.protocol = protocol
@@ -153,6 +168,8 @@ class GenerationState:
         is round 0. Lookahead: it is the first lookahead, drafted after the committed text."""
         p = self.params
         self.round_no = 0
+        self.suggestion = 0  # a new session: the open starts its suggestion 0
+        self.pending_edit = None  # the open's prompt already is the edited text
         self.confident = first.confidence is not None
         rounds = self.protocol == ROUNDS
         if rounds:
@@ -161,17 +178,119 @@ class GenerationState:
             prompt_token_ids=self.committed, sampling=p.sampling_pb(),
             max_new_tokens=self.remaining, stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, drafting=_DRAFTING[self.protocol],
-            first_draft=draft_to_pb(first, confidence=not rounds)))
+            first_draft=draft_to_pb(first, confidence=not rounds), editable=self.editable))
 
     def reopen_first(self) -> Proposal | None:
-        """The draft a reopen sends first: the round in flight when the stream was lost, so
-        that the output is what an undisturbed run commits. None: draft afresh."""
-        return self.pending if self.protocol == ROUNDS else None
+        """The draft a reopen sends first: the unverified tokens drafted during an outage, or
+        else the round in flight when the stream was lost, so that the output is what an
+        undisturbed run commits. None: draft afresh."""
+        if self.protocol != ROUNDS:
+            return None
+        return self.resync_proposal() or self.pending
+
+    # -- draft-only fallback --------------------------------------------------------------
+
+    @property
+    def num_unverified(self) -> int:
+        return 0 if self.unverified is None else len(self.unverified.tokens)
+
+    def unverified_room(self) -> int:
+        """How many more tokens the draft may propose alone."""
+        return max(0, min(self.remaining,
+                          self.limits.max_context - len(self.committed) - 1)
+                   - self.num_unverified)
+
+    def add_unverified(self, proposal: Proposal) -> None:
+        """Appends drafts made after ``committed`` + the unverified tokens so far."""
+        if not proposal.tokens:
+            return
+        u = self.unverified
+        if u is None:
+            self.unverified = proposal
+            return
+        both_q = u.q is not None and proposal.q is not None
+        both_c = u.confidence is not None and proposal.confidence is not None
+        if (u.q is None) != (proposal.q is None):
+            raise ValueError("unverified drafts mix point-mass and sampled q")
+        self.unverified = Proposal(u.tokens + proposal.tokens,
+                                   u.q + proposal.q if both_q else None,
+                                   u.confidence + proposal.confidence if both_c else None)
+
+    def resync_proposal(self) -> Proposal | None:
+        """The next round's drafts while unverified tokens wait: the first of them, as many
+        as a round takes (None when there are none)."""
+        if self.unverified is None:
+            return None
+        return self.unverified.prefix(max(0, self._room()))
+
+    def _settle_unverified(self, new: list[int]) -> None:
+        """After ``new`` was committed: unverified tokens it confirms are dropped from the
+        buffer; from the first it contradicts on, all are replaced."""
+        u = self.unverified
+        if u is None:
+            return
+        same = 0
+        while same < min(len(new), len(u.tokens)) and new[same] == u.tokens[same]:
+            same += 1
+        if same == len(new) and same < len(u.tokens):
+            self.unverified = _suffix(u, same)
+            return
+        self.replaced += len(u.tokens) - same
+        self.unverified = None
 
     def verify_message(self, proposal: Proposal) -> pb.SessionRequest:
+        """The next round; the first of a suggestion carries its edit (kept until a step of
+        the suggestion shows that the verifier has it)."""
         self.pending = proposal
         return pb.SessionRequest(verify=pb.VerifyRound(
-            round=self.round_no, draft=draft_to_pb(proposal, confidence=False)))
+            round=self.round_no, draft=draft_to_pb(proposal, confidence=False),
+            edit=self.pending_edit))
+
+    # -- editing sessions -----------------------------------------------------------------
+
+    def edit(self, keep: int, append: list[int], max_new_tokens: int) -> None:
+        """Starts the next suggestion over ``committed[:keep] + append``, at most
+        ``max_new_tokens`` long. Applied here at once; the verifier applies the same edit
+        when the suggestion's first round reaches it, keeping its KV cache up to ``keep``."""
+        if not self.editable:
+            raise ValueError("not an editable session")
+        if not 0 <= keep <= len(self.committed) or keep + len(append) < 1:
+            raise ValueError(f"edit keeps {keep} of {len(self.committed)} tokens and appends "
+                             f"{len(append)}: the text would be out of range or empty")
+        if any(not 0 <= t < self.limits.vocab_size for t in append):
+            raise ValueError("an appended token id is outside the vocabulary")
+        self.params = replace(self.params, max_new_tokens=max_new_tokens)
+        old_len, u = len(self.committed), self.unverified
+        self.committed[keep:] = append
+        if self.pending_edit is not None:
+            # The verifier may not have the last edit (it was cancelled on its way): this
+            # one then replaces it, kept no further than it. Its kept tokens are the same
+            # whether the verifier applied the last edit or not.
+            keep = min(keep, self.pending_edit.keep_length)
+            append = self.committed[keep:]
+        self.prompt_len = len(self.committed)
+        self.suggestion += 1
+        self.round_no = 0
+        self.finished = False
+        self.pending = None
+        # Unverified tokens the user kept (typed or accepted) are now text; the rest of them
+        # still waits to be verified, first, if the text did not change otherwise.
+        self.unverified = None
+        if u is not None and keep == old_len and append == u.tokens[:len(append)] \
+                and len(append) < len(u.tokens):
+            self.unverified = _suffix(u, len(append))
+        self.pending_edit = pb.Edit(keep_length=keep, append_token_ids=append,
+                                    suggestion=self.suggestion, max_new_tokens=max_new_tokens)
+
+    def cancel_message(self) -> pb.SessionRequest:
+        """Stops the suggestion in flight on the verifier; the next one starts with an edit."""
+        self.pending = None
+        return pb.SessionRequest(cancel=pb.CancelSuggestion(suggestion=self.suggestion))
+
+    def is_stale(self, step: pb.Step) -> bool:
+        """A step of a suggestion this client has moved on from (it was on its way when the
+        edit or cancel left): dropped, never applied."""
+        return self.editable and step.suggestion != self.suggestion
 
     def wants_decode(self) -> bool:
         """Whether the next tokens should come from cloud-side decoding rather than a drafted
@@ -248,7 +367,9 @@ class GenerationState:
         if proposal is not None:
             self.round_no += 1
             self.pending = None
+        self.pending_edit = None  # a step of this suggestion: the verifier has its edit
         self.committed.extend(new)
+        self._settle_unverified(new)
         self.finished = step.finished
         self.suggested = (step.suggested_draft_len if step.HasField("suggested_draft_len")
                           else None)
@@ -262,6 +383,13 @@ class GenerationState:
                                   max_new_tokens=self.remaining,
                                   stop_token_ids=list(p.stop_token_ids),
                                   ignore_eos=p.ignore_eos)
+
+
+def _suffix(proposal: Proposal, start: int) -> Proposal:
+    """Drafts d_{start+1} .. d_K with their q and confidences."""
+    q, c = proposal.q, proposal.confidence
+    return Proposal(proposal.tokens[start:], None if q is None else q[start:],
+                    None if c is None else c[start:])
 
 
 def _token_cost(step: pb.Step) -> float | None:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65\x64gespec/v1/verifier.proto\x12\x0b\x65\x64gespec.v1\"\x10\n\x0eGetInfoRequest\"\xc6\x01\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_draft_len\x18\x05 \x01(\r\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05modes\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"Z\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.edgespec.v1.SparseDistribution\x12\x12\n\nconfidence\x18\x03 \x03(\x02\"\xec\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\'\n\x08\x64rafting\x18\x06 \x01(\x0e\x32\x15.edgespec.v1.Drafting\x12\'\n\x0b\x66irst_draft\x18\x07 \x01(\x0b\x32\x12.edgespec.v1.Draft\"?\n\x0bVerifyRound\x12\r\n\x05round\x18\x01 \x01(\x04\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.edgespec.v1.Draft\"H\n\x0eLookaheadDraft\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\r\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.edgespec.v1.Draft\"L\n\x06\x44\x65\x63ode\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x1f\n\x17stop_when_drafting_pays\x18\x03 \x01(\x08\"\xc7\x01\n\x0eSessionRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.edgespec.v1.OpenSessionH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.edgespec.v1.VerifyRoundH\x00\x12\x30\n\tlookahead\x18\x03 \x01(\x0b\x32\x1b.edgespec.v1.LookaheadDraftH\x00\x12%\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x13.edgespec.v1.DecodeH\x00\x42\x06\n\x04kind\".\n\x06Timing\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"\xab\x02\n\x04Step\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x17\n\x0ftarget_forwards\x18\x07 \x01(\r\x12#\n\x06timing\x18\x08 \x01(\x0b\x32\x13.edgespec.v1.Timing\x12 \n\x13suggested_draft_len\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x10\x64raft_token_cost\x18\n \x01(\x02H\x01\x88\x01\x01\x42\x16\n\x14_suggested_draft_lenB\x13\n\x11_draft_token_cost\"F\n\x0fSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x11.edgespec.v1.Step\"\x9e\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"3\n\x10GenerateResponse\x12\x1f\n\x04step\x18\x01 \x01(\x0b\x32\x11.edgespec.v1.Step*\xc9\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_REASON_CONTEXT_TOO_LONG\x10\x02\x12 \n\x1c\x45RROR_REASON_SESSION_EVICTED\x10\x03\x12 \n\x1c\x45RROR_REASON_SESSION_EXPIRED\x10\x04\x12\x1d\n\x19\x45RROR_REASON_OUT_OF_ORDER\x10\x05\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x06\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x07\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x08\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\t*Q\n\x08\x44rafting\x12\x18\n\x14\x44RAFTING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFTING_ROUNDS\x10\x01\x12\x16\n\x12\x44RAFTING_LOOKAHEAD\x10\x02\x32\xec\x01\n\x0fVerifierService\x12\x44\n\x07GetInfo\x12\x1b.edgespec.v1.GetInfoRequest\x1a\x1c.edgespec.v1.GetInfoResponse\x12H\n\x07Session\x12\x1b.edgespec.v1.SessionRequest\x1a\x1c.edgespec.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1c.edgespec.v1.GenerateRequest\x1a\x1d.edgespec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x65\x64gespec/v1/verifier.proto\x12\x0b\x65\x64gespec.v1\"\x10\n\x0eGetInfoRequest\"\xc6\x01\n\x0fGetInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x15\n\rmax_draft_len\x18\x05 \x01(\r\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\r\n\x05modes\x18\x07 \x03(\t\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"Z\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x01q\x18\x02 \x03(\x0b\x32\x1f.edgespec.v1.SparseDistribution\x12\x12\n\nconfidence\x18\x03 \x03(\x02\"\xfe\x01\n\x0bOpenSession\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\'\n\x08\x64rafting\x18\x06 \x01(\x0e\x32\x15.edgespec.v1.Drafting\x12\'\n\x0b\x66irst_draft\x18\x07 \x01(\x0b\x32\x12.edgespec.v1.Draft\x12\x10\n\x08\x65\x64itable\x18\x08 \x01(\x08\"a\n\x04\x45\x64it\x12\x13\n\x0bkeep_length\x18\x01 \x01(\r\x12\x18\n\x10\x61ppend_token_ids\x18\x02 \x03(\r\x12\x12\n\nsuggestion\x18\x03 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\"`\n\x0bVerifyRound\x12\r\n\x05round\x18\x01 \x01(\x04\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.edgespec.v1.Draft\x12\x1f\n\x04\x65\x64it\x18\x03 \x01(\x0b\x32\x11.edgespec.v1.Edit\"&\n\x10\x43\x61ncelSuggestion\x12\x12\n\nsuggestion\x18\x01 \x01(\x04\"H\n\x0eLookaheadDraft\x12\x13\n\x0b\x62\x61se_length\x18\x01 \x01(\r\x12!\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.edgespec.v1.Draft\"L\n\x06\x44\x65\x63ode\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\x1f\n\x17stop_when_drafting_pays\x18\x03 \x01(\x08\"\xf8\x01\n\x0eSessionRequest\x12(\n\x04open\x18\x01 \x01(\x0b\x32\x18.edgespec.v1.OpenSessionH\x00\x12*\n\x06verify\x18\x02 \x01(\x0b\x32\x18.edgespec.v1.VerifyRoundH\x00\x12\x30\n\tlookahead\x18\x03 \x01(\x0b\x32\x1b.edgespec.v1.LookaheadDraftH\x00\x12%\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x13.edgespec.v1.DecodeH\x00\x12/\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x1d.edgespec.v1.CancelSuggestionH\x00\x42\x06\n\x04kind\".\n\x06Timing\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"\xd3\x02\n\x04Step\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\r\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x17\n\x0ftarget_forwards\x18\x07 \x01(\r\x12#\n\x06timing\x18\x08 \x01(\x0b\x32\x13.edgespec.v1.Timing\x12 \n\x13suggested_draft_len\x18\t \x01(\rH\x00\x88\x01\x01\x12\x1d\n\x10\x64raft_token_cost\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x12\n\nsuggestion\x18\x0b \x01(\x04\x12\x12\n\nfed_tokens\x18\x0c \x01(\rB\x16\n\x14_suggested_draft_lenB\x13\n\x11_draft_token_cost\"F\n\x0fSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1f\n\x04step\x18\x02 \x01(\x0b\x32\x11.edgespec.v1.Step\"\x9e\x01\n\x0fGenerateRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.edgespec.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"3\n\x10GenerateResponse\x12\x1f\n\x04step\x18\x01 \x01(\x0b\x32\x11.edgespec.v1.Step*\xc9\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x01\x12!\n\x1d\x45RROR_REASON_CONTEXT_TOO_LONG\x10\x02\x12 \n\x1c\x45RROR_REASON_SESSION_EVICTED\x10\x03\x12 \n\x1c\x45RROR_REASON_SESSION_EXPIRED\x10\x04\x12\x1d\n\x19\x45RROR_REASON_OUT_OF_ORDER\x10\x05\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x06\x12\x19\n\x15\x45RROR_REASON_DRAINING\x10\x07\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x08\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\t*Q\n\x08\x44rafting\x12\x18\n\x14\x44RAFTING_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44RAFTING_ROUNDS\x10\x01\x12\x16\n\x12\x44RAFTING_LOOKAHEAD\x10\x02\x32\xec\x01\n\x0fVerifierService\x12\x44\n\x07GetInfo\x12\x1b.edgespec.v1.GetInfoRequest\x1a\x1c.edgespec.v1.GetInfoResponse\x12H\n\x07Session\x12\x1b.edgespec.v1.SessionRequest\x1a\x1c.edgespec.v1.SessionResponse(\x01\x30\x01\x12I\n\x08Generate\x12\x1c.edgespec.v1.GenerateRequest\x1a\x1d.edgespec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'edgespec.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=1788
-  _globals['_ERRORREASON']._serialized_end=2117
-  _globals['_DRAFTING']._serialized_start=2119
-  _globals['_DRAFTING']._serialized_end=2200
+  _globals['_ERRORREASON']._serialized_start=2067
+  _globals['_ERRORREASON']._serialized_end=2396
+  _globals['_DRAFTING']._serialized_start=2398
+  _globals['_DRAFTING']._serialized_end=2479
   _globals['_GETINFOREQUEST']._serialized_start=43
   _globals['_GETINFOREQUEST']._serialized_end=59
   _globals['_GETINFORESPONSE']._serialized_start=62
@@ -46,25 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFT']._serialized_start=401
   _globals['_DRAFT']._serialized_end=491
   _globals['_OPENSESSION']._serialized_start=494
-  _globals['_OPENSESSION']._serialized_end=730
-  _globals['_VERIFYROUND']._serialized_start=732
-  _globals['_VERIFYROUND']._serialized_end=795
-  _globals['_LOOKAHEADDRAFT']._serialized_start=797
-  _globals['_LOOKAHEADDRAFT']._serialized_end=869
-  _globals['_DECODE']._serialized_start=871
-  _globals['_DECODE']._serialized_end=947
-  _globals['_SESSIONREQUEST']._serialized_start=950
-  _globals['_SESSIONREQUEST']._serialized_end=1149
-  _globals['_TIMING']._serialized_start=1151
-  _globals['_TIMING']._serialized_end=1197
-  _globals['_STEP']._serialized_start=1200
-  _globals['_STEP']._serialized_end=1499
-  _globals['_SESSIONRESPONSE']._serialized_start=1501
-  _globals['_SESSIONRESPONSE']._serialized_end=1571
-  _globals['_GENERATEREQUEST']._serialized_start=1574
-  _globals['_GENERATEREQUEST']._serialized_end=1732
-  _globals['_GENERATERESPONSE']._serialized_start=1734
-  _globals['_GENERATERESPONSE']._serialized_end=1785
-  _globals['_VERIFIERSERVICE']._serialized_start=2203
-  _globals['_VERIFIERSERVICE']._serialized_end=2439
+  _globals['_OPENSESSION']._serialized_end=748
+  _globals['_EDIT']._serialized_start=750
+  _globals['_EDIT']._serialized_end=847
+  _globals['_VERIFYROUND']._serialized_start=849
+  _globals['_VERIFYROUND']._serialized_end=945
+  _globals['_CANCELSUGGESTION']._serialized_start=947
+  _globals['_CANCELSUGGESTION']._serialized_end=985
+  _globals['_LOOKAHEADDRAFT']._serialized_start=987
+  _globals['_LOOKAHEADDRAFT']._serialized_end=1059
+  _globals['_DECODE']._serialized_start=1061
+  _globals['_DECODE']._serialized_end=1137
+  _globals['_SESSIONREQUEST']._serialized_start=1140
+  _globals['_SESSIONREQUEST']._serialized_end=1388
+  _globals['_TIMING']._serialized_start=1390
+  _globals['_TIMING']._serialized_end=1436
+  _globals['_STEP']._serialized_start=1439
+  _globals['_STEP']._serialized_end=1778
+  _globals['_SESSIONRESPONSE']._serialized_start=1780
+  _globals['_SESSIONRESPONSE']._serialized_end=1850
+  _globals['_GENERATEREQUEST']._serialized_start=1853
+  _globals['_GENERATEREQUEST']._serialized_end=2011
+  _globals['_GENERATERESPONSE']._serialized_start=2013
+  _globals['_GENERATERESPONSE']._serialized_end=2064
+  _globals['_VERIFIERSERVICE']._serialized_start=2482
+  _globals['_VERIFIERSERVICE']._serialized_end=2718
 # @@protoc_insertion_point(module_scope)

@@ -94,7 +94,7 @@ class Draft(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft")
+    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft", "editable")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class OpenSession(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     FIRST_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    EDITABLE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -109,15 +110,36 @@ class OpenSession(_message.Message):
     ignore_eos: bool
     drafting: Drafting
     first_draft: Draft
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+    editable: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ..., editable: _Optional[bool] = ...) -> None: ...
+
+class Edit(_message.Message):
+    __slots__ = ("keep_length", "append_token_ids", "suggestion", "max_new_tokens")
+    KEEP_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    keep_length: int
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    suggestion: int
+    max_new_tokens: int
+    def __init__(self, keep_length: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., suggestion: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRound(_message.Message):
-    __slots__ = ("round", "draft")
+    __slots__ = ("round", "draft", "edit")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    EDIT_FIELD_NUMBER: _ClassVar[int]
     round: int
     draft: Draft
-    def __init__(self, round: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ...) -> None: ...
+    edit: Edit
+    def __init__(self, round: _Optional[int] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., edit: _Optional[_Union[Edit, _Mapping]] = ...) -> None: ...
+
+class CancelSuggestion(_message.Message):
+    __slots__ = ("suggestion",)
+    SUGGESTION_FIELD_NUMBER: _ClassVar[int]
+    suggestion: int
+    def __init__(self, suggestion: _Optional[int] = ...) -> None: ...
 
 class LookaheadDraft(_message.Message):
     __slots__ = ("base_length", "draft")
@@ -138,16 +160,18 @@ class Decode(_message.Message):
     def __init__(self, round: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_when_drafting_pays: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "verify", "lookahead", "decode")
+    __slots__ = ("open", "verify", "lookahead", "decode", "cancel")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     verify: VerifyRound
     lookahead: LookaheadDraft
     decode: Decode
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., verify: _Optional[_Union[VerifyRound, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ...) -> None: ...
+    cancel: CancelSuggestion
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., verify: _Optional[_Union[VerifyRound, _Mapping]] = ..., lookahead: _Optional[_Union[LookaheadDraft, _Mapping]] = ..., decode: _Optional[_Union[Decode, _Mapping]] = ..., cancel: _Optional[_Union[CancelSuggestion, _Mapping]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ns", "forward_ns")
@@ -158,7 +182,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("round", "token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost")
+    __slots__ = ("round", "token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost", "suggestion", "fed_tokens")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +193,8 @@ class Step(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SUGGESTED_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
+    SUGGESTION_FIELD_NUMBER: _ClassVar[int]
+    FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: int
@@ -179,7 +205,9 @@ class Step(_message.Message):
     timing: Timing
     suggested_draft_len: int
     draft_token_cost: float
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
+    suggestion: int
+    fed_tokens: int
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ..., suggestion: _Optional[int] = ..., fed_tokens: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("session_id", "step")

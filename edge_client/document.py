@@ -1,0 +1,311 @@
+"""Editing sessions, for keyboards and on-device assistants: one verifier session per text
+field, serving one suggestion after another.
+
+    async with client.document(GenerationConfig(draft_len=4)) as doc:
+        s = await doc.suggest("The quick brown", max_new_tokens=8, budget_ms=120)
+        print(s.text, "|", s.unverified_text)
+
+or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)``.
+
+- **Edits.** ``suggest`` takes the field's whole current text (or its token ids). The
+  document diffs it against what its session has committed (the text, plus the previous
+  suggestion) and sends the edit, "keep the first n tokens, then append these", in the same
+  message as the suggestion's first drafts. The verifier keeps its KV cache for the n kept
+  tokens and the draft its own (``ModelDrafter.resync``), so a keystroke costs forwards over
+  the tokens after n, not over the whole text (``SuggestionStats.fed_tokens``).
+- **Cancel.** A new ``suggest`` while one is in flight, or ``cancel()`` from any thread,
+  stops the one in flight at once: its ``suggest`` *returns* a Suggestion with
+  ``cancelled=True`` and the verified tokens it had (it does not raise). The verifier drops
+  the suggestion's work that has not reached a forward; the session stays open.
+- **Budget.** With ``budget_ms`` (per call, or ``GenerationConfig.budget_ms``), a suggestion
+  returns when the budget is spent with the verified tokens it has, plus, as
+  ``unverified_ids``, the drafts that were on their way to the verifier.
+- **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
+  is unreachable, or that has no verified token when the budget is spent, is completed by the
+  draft alone, marked unverified. The next suggestion over the same text (or a text that
+  took some of those tokens) sends the rest of them first, as drafts: the verifier verifies
+  them, and ``stats.replaced_tokens`` says how many it replaced.
+
+Faults (eviction, expiry, a verifier restart, back-off) are handled by the one client core
+(edge_client.core): a document whose session was lost reopens with its committed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edge_client.combined_drafter import make_drafter
+from edge_client.core import DRAFT_ONLY, GenerationStats, generate, model_proposer
+from edge_client.drafter import DraftSampling
+from edge_client.generation_state import ROUNDS, GenerationState, ServerLimits
+from edge_client.session_streams import SessionKeeper
+
+if TYPE_CHECKING:
+    from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
+
+
+@dataclass(frozen=True)
+class SuggestionStats:
+    target_forwards: int = 0  # forwards whose steps this suggestion committed
+    kept_tokens: int = 0  # committed tokens the edit kept (their KV caches were reused)
+    fed_tokens: int = 0  # positions the verifier's forwards fed for it (Step.fed_tokens)
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    network_ms: float = 0.0  # waiting for replies, less the verifier's own time
+    verify_ms: float = 0.0  # the verifier's queue and forward time
+    unverified_tokens: int = 0
+    replaced_tokens: int = 0  # earlier unverified tokens the verifier replaced
+    stale_steps: int = 0  # steps of superseded suggestions dropped on arrival
+    reopens: int = 0
+    wall_ms: float = 0.0  # from suggest() to its return
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    token_ids: list[int]  # verified: what the target itself would have produced
+    unverified_ids: list[int]  # after them: drafted, not verified
+    text: str
+    unverified_text: str
+    cancelled: bool
+    stats: SuggestionStats = field(default_factory=SuggestionStats)
+
+
+class AsyncDocument:
+    """One text field's editing session. No RPC until the first ``suggest``."""
+
+    def __init__(self, client: AsyncEdgeClient, config: GenerationConfig) -> None:
+        if client.info is None:
+            raise RuntimeError("call connect() (or use `async with`) before document()")
+        if client.protocol != ROUNDS:
+            raise ValueError("a document needs the rounds protocol")
+        self.client = client
+        self.config = config
+        self._keeper = SessionKeeper()
+        self._state: GenerationState | None = None
+        # One drafter for the document's life: its KV cache follows the text across edits.
+        self._drafter = make_drafter(config.drafter, client.model,
+                                     DraftSampling(config.temperature, config.top_k,
+                                                   config.top_p, config.max_support),
+                                     np.random.default_rng(config.seed))
+        self._drafting = threading.Lock()  # the drafter's cache: one proposal at a time
+        self._rng = np.random.default_rng()  # back-off jitter only
+        self._task: asyncio.Task | None = None
+        self._calls = 0  # suggest() calls so far: the newest one wins
+        self._cancelled: asyncio.Task | None = None  # the task cancel() stopped, if any
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = frozenset(config.stop_token_ids or (
+            () if config.ignore_eos else client.info.eos_token_ids))
+
+    async def __aenter__(self) -> AsyncDocument:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def committed_ids(self) -> list[int]:
+        """What the session has committed: the text, then the last suggestion's tokens."""
+        return [] if self._state is None else list(self._state.committed)
+
+    def cancel(self) -> None:
+        """Stops the suggestion in flight (its ``suggest`` returns ``cancelled=True``); safe
+        from any thread."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._cancel_now()
+        else:
+            loop.call_soon_threadsafe(self._cancel_now)
+
+    def _cancel_now(self) -> None:
+        task = self._task
+        if task is not None and not task.done():
+            self._cancelled = task
+            task.cancel()
+
+    async def close(self) -> None:
+        """Stops what is in flight and closes the verifier's session."""
+        self._cancel_now()
+        if self._task is not None:
+            await asyncio.wait([self._task])
+        self._keeper.drop()
+
+    async def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
+                      budget_ms: float | None = None) -> Suggestion:
+        """A suggestion after ``text_or_ids``, the field's whole current text."""
+        t0 = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
+        ids = (self.client.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str)
+               else list(text_or_ids))
+        if not ids:
+            raise ValueError("the text is empty; a suggestion needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        budget_ms = budget_ms if budget_ms is not None else self.config.budget_ms
+        self._calls += 1
+        call = self._calls
+        # A keystroke: the suggestion in flight stops first.
+        while self._task is not None and not self._task.done():
+            self._cancel_now()
+            await asyncio.wait([self._task])
+        if call != self._calls:  # a newer suggest() came while we waited: it goes instead
+            return Suggestion([], [], "", "", True,
+                              SuggestionStats(wall_ms=(time.perf_counter() - t0) * 1000))
+        state, kept = self._edit(ids, max_new_tokens)
+        stats = GenerationStats()
+        run = _Run(state)
+        task = self._task = asyncio.ensure_future(self._run(state, stats, run))
+        try:
+            await asyncio.wait([task], timeout=None if budget_ms is None else budget_ms / 1000)
+        except asyncio.CancelledError:  # our caller went away: so does the suggestion
+            task.cancel()
+            raise
+        cancelled = task is self._cancelled
+        if not task.done():  # the budget is spent
+            in_flight = state.pending
+            task.cancel()
+            await asyncio.wait([task])
+            run.add_in_flight(in_flight, state)
+        elif not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+        if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
+            await run.fill_alone(model_proposer(self._drafter, stats, self._drafting),
+                                 self._stop)
+        return self._suggestion(run, cancelled, kept, stats, t0)
+
+    def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
+        """The state for the next suggestion, and how many committed tokens it keeps."""
+        cfg, client = self.config, self.client
+        if self._state is None:
+            adaptive = cfg.follow_suggested_draft_len
+            self._state = GenerationState(
+                ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
+                ServerLimits.from_info(client.info), cfg.draft_len, ROUNDS,
+                follow_suggestion=adaptive, chooser=client.chooser if adaptive else None,
+                editable=True)
+            return self._state, 0
+        state = self._state
+        keep = 0
+        limit = min(len(state.committed), len(ids))
+        while keep < limit and state.committed[keep] == ids[keep]:
+            keep += 1
+        state.edit(keep, ids[keep:], max_new_tokens)
+        return state, keep
+
+    async def _run(self, state: GenerationState, stats: GenerationStats, run: _Run) -> None:
+        async with contextlib.aclosing(generate(
+                self.client.conn, state, model_proposer(self._drafter, stats, self._drafting),
+                stats,
+                self.client.info, self._rng, keeper=self._keeper,
+                fallback=self.config.fallback)) as deliveries:
+            async for delivery in deliveries:
+                run.add(delivery)
+                if not delivery.verified and run.complete:
+                    return  # a whole suggestion from the draft alone: the user has it now
+
+    def _suggestion(self, run: _Run, cancelled: bool, kept: int, stats: GenerationStats,
+                    t0: float) -> Suggestion:
+        tok = self.client.tokenizer
+        base = run.base
+        verified, unverified = run.verified, run.unverified
+        text = _tail(tok, base, verified)
+        unverified_text = _tail(tok, base + verified, unverified)
+        network_s = max(0.0, stats.wait_s - stats.verify_s)
+        return Suggestion(
+            verified, unverified, text, unverified_text, cancelled,
+            SuggestionStats(
+                target_forwards=stats.target_forwards, kept_tokens=kept,
+                fed_tokens=stats.fed_tokens, drafted=stats.drafted, accepted=stats.accepted,
+                draft_ms=stats.draft_s * 1000, network_ms=network_s * 1000,
+                verify_ms=stats.verify_s * 1000, unverified_tokens=len(unverified),
+                replaced_tokens=stats.replaced_tokens, stale_steps=stats.stale_steps,
+                reopens=stats.reopens, wall_ms=(time.perf_counter() - t0) * 1000))
+
+
+class _Run:
+    """What one suggestion has: verified tokens, then unverified ones."""
+
+    def __init__(self, state: GenerationState) -> None:
+        self.state = state
+        self.base = list(state.committed)  # the text the suggestion continues
+        self.max_new_tokens = state.params.max_new_tokens
+        self.verified: list[int] = []
+        self.unverified: list[int] = []
+
+    def add(self, delivery) -> None:
+        if delivery.replaces:
+            del self.unverified[len(self.unverified) - delivery.replaces:]
+        (self.verified if delivery.verified else self.unverified).extend(delivery.tokens)
+
+    @property
+    def complete(self) -> bool:
+        tokens = self.verified + self.unverified
+        return len(tokens) >= self.max_new_tokens or self.state.finished
+
+    def add_in_flight(self, proposal, state: GenerationState) -> None:
+        """The drafts that were on their way when the budget ran out, if they still continue
+        what was verified."""
+        if proposal is None or self.unverified or state.committed != self.base + self.verified:
+            return
+        room = self.max_new_tokens - len(self.verified)
+        self.unverified = list(proposal.tokens[:room])
+
+    async def fill_alone(self, propose, stop_ids: frozenset[int]) -> None:
+        """Completes the suggestion with the draft alone (draft-only fallback)."""
+        while not self.complete:
+            tokens = self.verified + self.unverified
+            if tokens and tokens[-1] in stop_ids:
+                return
+            proposal = await propose(self.base + tokens, self.max_new_tokens - len(tokens))
+            if not proposal.tokens:
+                return
+            for token in proposal.tokens:
+                self.unverified.append(token)
+                if token in stop_ids:
+                    return
+
+
+def _tail(tokenizer, before: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``before`` (decoding them alone can lose a leading space)."""
+    if not ids:
+        return ""
+    head = tokenizer.decode(before)
+    whole = tokenizer.decode(before + ids)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(ids)
+
+
+class Document:
+    """The synchronous facade of an AsyncDocument, on its EdgeClient's event-loop thread."""
+
+    def __init__(self, client: EdgeClient, inner: AsyncDocument) -> None:
+        self._client = client
+        self._inner = inner
+
+    def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
+                budget_ms: float | None = None) -> Suggestion:
+        return self._client._call(self._inner.suggest(text_or_ids, max_new_tokens, budget_ms))
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+    def close(self) -> None:
+        self._client._call(self._inner.close())
+
+    def __enter__(self) -> Document:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -69,7 +69,7 @@ def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path
     code = main(["ime", "--embedded", "--model", str(tiny_llama_pair.target_dir),
                  "--draft-dir", str(tiny_llama_pair.draft_dir), "--messages", str(messages),
                  "--profile", "wifi", "--duration", "4", "--outage-modes", drilled,
-                 "--outage-after", "1.5", "--outage", "1", "--recovery", "2",
+                 "--outage-after", "1.5", "--outage", "1", "--recovery", "3",
                  # The last key of each message waits long enough to see its suggestion
                  # whole even on a loaded machine.
                  "--linger-ms", "5000", "--verifier-arg=--threads=1",
@@ -108,7 +108,7 @@ def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path
     assert phases["before"]["keystrokes"] > 0 and phases["down"]["keystrokes"] > 0
     assert phases["after"]["keystrokes"] > 0
     assert outage["client_errors"] == 0 and outage["errors"] == {}
-    assert outage["retried"], "the verifier was down, yet no attempt was lost"
+    assert outage["reopens"] > 0, "the verifier was restarted, yet no session was reopened"
     if drilled == "edit":
         # Draft-only suggestions go on, marked; once the verifier is back, all is verified.
         assert outage["suggestions_continued"]

@@ -54,12 +54,14 @@ class KeyRecord:
     target_forwards: int = 0  # as the client saw them
     fed_tokens: int | None = None  # tokens the target's forwards computed (edit sessions)
     kept_tokens: int | None = None  # committed tokens the edit kept (edit sessions)
+    replaced_tokens: int = 0  # earlier unverified tokens the verifier replaced (edit sessions)
     drafted: int = 0
     accepted: int = 0
     draft_ms: float = 0.0
     network_ms: float = 0.0
     verify_ms: float = 0.0  # the verifier's own queue + forward time
     retried: dict[str, int] = field(default_factory=dict)  # attempts lost and retried
+    reopens: int = 0  # sessions the client reopened after a lost attempt
 
 
 class Mode:
@@ -130,6 +132,7 @@ class ReopenMode(Mode):
             record.verify_ms = s.verify_s * 1000
             record.network_ms = max(0.0, s.wait_s - s.verify_s) * 1000
             record.retried = dict(s.lost_attempts)
+            record.reopens = s.reopens
 
     def supersede(self, task: asyncio.Task, record: KeyRecord, final: bool = False) -> None:
         if record.full_ms is None:
@@ -167,6 +170,8 @@ class EditMode(Mode):
         record.target_forwards = st.target_forwards
         record.fed_tokens = st.fed_tokens
         record.kept_tokens = st.kept_tokens
+        record.replaced_tokens = st.replaced_tokens
+        record.reopens = st.reopens
         record.drafted, record.accepted = st.drafted, st.accepted
         record.draft_ms, record.network_ms, record.verify_ms = (st.draft_ms, st.network_ms,
                                                                 st.verify_ms)

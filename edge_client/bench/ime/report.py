@@ -125,8 +125,9 @@ def outage_summary(records: list[KeyRecord], drill: dict) -> dict:
             "suggest_ms_p50": _pct([r.full_ms for r in rs if r.full_ms is not None], 50),
         }
     after = [r for r in records if r.phase == "after" and r.first_ms is not None]
-    first_verified = next((r for r in after if r.unverified == 0 and r.full_ms is not None),
-                          None)
+    first = next((i for i, r in enumerate(after) if r.unverified == 0 and r.full_ms is not None),
+                 None)
+    first_verified = None if first is None else after[first]
     errors: Counter = Counter(r.error for r in records if r.error)
     retried: Counter = Counter()
     for r in records:
@@ -138,8 +139,14 @@ def outage_summary(records: list[KeyRecord], drill: dict) -> dict:
         "phases": by_phase,
         # Suggestions kept coming while the verifier was away.
         "suggestions_continued": by_phase["down"]["suggestions_shown"] > 0,
-        # Once the verifier served again, every suggestion shown was verified.
-        "all_verified_after_recovery": bool(after) and all(r.unverified == 0 for r in after),
+        # Recovered: from the first whole verified suggestion after the restart on, every
+        # suggestion shown was verified (before it, the client was still reconnecting).
+        "all_verified_after_recovery": first is not None and all(
+            r.unverified == 0 for r in after[first:]),
+        "unverified_before_recovery": 0 if first is None else sum(
+            1 for r in after[:first] if r.unverified > 0),
+        "replaced_tokens_after_restart": sum(r.replaced_tokens for r in records
+                                             if r.phase == "after"),
         "first_verified_after_restart_ms": (
             None if first_verified is None
             else round((first_verified.at + first_verified.full_ms / 1000
@@ -147,6 +154,7 @@ def outage_summary(records: list[KeyRecord], drill: dict) -> dict:
         "client_errors": sum(errors.values()),
         "errors": dict(errors),
         "retried": dict(retried),
+        "reopens": sum(r.reopens for r in records),
     }
 
 

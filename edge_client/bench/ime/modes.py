@@ -17,12 +17,15 @@ it adds no protocol logic of its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
 from edge_client.bench.fleet.device import failure_name
 from edge_client.client import AsyncEdgeClient, GenerationConfig
 from edge_client.errors import EdgeError
+
+log = logging.getLogger(__name__)
 
 MODES = ("edit", "reopen", "cloud-only")
 _PROTOCOL = {"reopen": "rounds", "cloud-only": "cloud", "edit": "rounds"}
@@ -51,6 +54,7 @@ class KeyRecord:
     unverified: int = 0  # unverified (draft-only) tokens shown
     cancelled: bool = False  # the next key (or the end of the field) came first
     error: str | None = None  # the status of a failure raised to the IME
+    error_message: str | None = None
     target_forwards: int = 0  # as the client saw them
     fed_tokens: int | None = None  # tokens the target's forwards computed (edit sessions)
     kept_tokens: int | None = None  # committed tokens the edit kept (edit sessions)
@@ -94,6 +98,11 @@ class Mode:
         await self.client.close()
 
 
+def _failed(record: KeyRecord, err: EdgeError) -> None:
+    record.error, record.error_message = failure_name(err), str(err)
+    log.warning("%s: a suggestion failed: %s: %s", record.mode, type(err).__name__, err)
+
+
 def _room(client: AsyncEdgeClient, context: int, wanted: int) -> int:
     return max(0, min(wanted, client.info.max_context - context - 1))
 
@@ -123,7 +132,7 @@ class ReopenMode(Mode):
                         generation.token_ids and generation.token_ids[-1] in stops)):
                     record.full_ms = ms
         except EdgeError as err:
-            record.error = failure_name(err)
+            _failed(record, err)
         finally:
             s = generation.stats
             record.target_forwards = s.target_forwards
@@ -163,7 +172,7 @@ class EditMode(Mode):
             s = await self.document.suggest(text, max_new_tokens=max_new_tokens,
                                             budget_ms=self.budget_ms)
         except EdgeError as err:
-            record.error = failure_name(err)
+            _failed(record, err)
             return
         ms = (time.perf_counter() - record.at) * 1000
         st = s.stats

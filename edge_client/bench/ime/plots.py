@@ -36,7 +36,8 @@ def plot_latency_cdf(report: dict, path: Path) -> None:
         ax.set_title(f"{title} ({profile})")
         ax.axvline(120, color="grey", linewidth=1)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

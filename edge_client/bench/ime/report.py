@@ -106,8 +106,18 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
             "verify": _mean([r.verify_ms for r in full]),
         },
         "errors": dict(errors),
+        "error_examples": _examples(records),
         "retried": dict(retried),
     }
+
+
+def _examples(records: list[KeyRecord]) -> dict[str, str]:
+    """The first message of each failure status."""
+    out: dict[str, str] = {}
+    for r in records:
+        if r.error and r.error not in out:
+            out[r.error] = r.error_message or ""
+    return out
 
 
 def outage_summary(records: list[KeyRecord], drill: dict) -> dict:
@@ -153,6 +163,7 @@ def outage_summary(records: list[KeyRecord], drill: dict) -> dict:
                         - drill["serving"]) * 1000, 1)),
         "client_errors": sum(errors.values()),
         "errors": dict(errors),
+        "error_examples": _examples(records),
         "retried": dict(retried),
         "reopens": sum(r.reopens for r in records),
     }

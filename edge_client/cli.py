@@ -36,6 +36,13 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                         "or the n-gram when it matches and the model otherwise")
     p.add_argument("--protocol", choices=["rounds", "lookahead", "cloud"], default="rounds",
                    help=PROTOCOL_HELP)
+    p.add_argument("--fallback", choices=["fail", "draft-only"], default="fail",
+                   help="when the verifier is unreachable or too slow: fail (retry, then give "
+                        "up), or go on with the draft alone, its tokens marked unverified and "
+                        "verified when the verifier is back (rounds protocol)")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="latency budget: end with the tokens verified by then, plus the "
+                        "draft's unverified continuation")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -72,24 +79,36 @@ def verifier_address(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationConfig
     from edge_client.connection import RetryPolicy
+    from edge_client.tokenizer import TextStream
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter)
+        top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter,
+        fallback=args.fallback, budget_ms=args.budget_ms)
     # With --json -, stdout carries only the JSON object; the text streams to stderr.
     out = sys.stderr if args.json == "-" else sys.stdout
     with verifier_address(args) as address, EdgeClient(
             address, args.draft_dir, api_key=args.api_key, rtt_ms=args.rtt_ms,
             protocol=args.protocol, retry=RetryPolicy(budget_s=args.retry_budget_s)) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
-        for piece in generation.text():
-            out.write(piece)
-            out.flush()
+        chunks = []
+        stream = TextStream(client.tokenizer)
+        for chunk in generation.chunks():  # verified text streams; unverified comes last
+            chunks.append({"token_ids": chunk.token_ids, "verified": chunk.verified,
+                           "replaces": chunk.replaces})
+            if chunk.verified and (piece := stream.push(chunk.token_ids)):
+                out.write(piece)
+                out.flush()
+        if generation.unverified_ids:
+            out.write(f" [unverified: {client.tokenizer.decode(generation.unverified_ids)}]")
         out.write("\n")
         stats = generation.stats.to_dict()
         if args.json:
             report = {"text": client.tokenizer.decode(generation.token_ids),
-                      "token_ids": generation.token_ids, "stats": stats}
+                      "token_ids": generation.token_ids,
+                      "unverified_text": client.tokenizer.decode(generation.unverified_ids),
+                      "unverified_token_ids": generation.unverified_ids,
+                      "chunks": chunks, "stats": stats}
             if args.json == "-":
                 json.dump(report, sys.stdout)
                 sys.stdout.write("\n")

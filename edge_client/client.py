@@ -34,12 +34,15 @@ import numpy as np
 from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
 from edge_client.connection import Connection, Deadlines, RetryPolicy
 from edge_client.core import (
+    DRAFT_ONLY,
     FAIL,
     FALLBACKS,
     Delivery,
     GenerationStats,
+    draft_alone,
     generate,
     model_proposer,
+    unverified_delivery,
 )
 from edge_client.document import AsyncDocument, Document
 from edge_client.draft_model import OnnxDraftModel
@@ -84,8 +87,10 @@ class GenerationConfig:
     # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
     # marked unverified, and they are verified when the verifier is back; edge_client.core).
     fallback: str = FAIL
-    # A suggestion's latency budget (edge_client.document): past it a suggestion returns the
-    # verified tokens it has, plus the draft's unverified continuation. None: no budget.
+    # A latency budget: past it a generation (or a document's suggestion) ends with the
+    # verified tokens it has, plus the draft's unverified continuation: the drafts on their
+    # way to the verifier, and with fallback="draft-only" the draft alone up to
+    # max_new_tokens. None: no budget.
     budget_ms: float | None = None
 
     def __post_init__(self) -> None:
@@ -200,6 +205,7 @@ class AsyncGeneration:
         self.token_ids: list[int] = []  # generated and verified so far
         self.unverified_ids: list[int] = []  # after them: drafted alone, not verified (yet)
         self.stats = GenerationStats()
+        self.budget_spent = False  # config.budget_ms ran out before the generation ended
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         """The verified token chunks (``chunks()`` also has the unverified ones)."""
@@ -230,11 +236,39 @@ class AsyncGeneration:
                                              cfg.max_support),
                                np.random.default_rng(cfg.seed))
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
+        propose = model_proposer(drafter, self.stats)
+        deadline = None if cfg.budget_ms is None else (
+            asyncio.get_running_loop().time() + cfg.budget_ms / 1000)
         async with contextlib.aclosing(generate(
-                client.conn, state, model_proposer(drafter, self.stats), self.stats,
-                client.info, rng, fallback=cfg.fallback)) as deliveries:
-            async for delivery in deliveries:
+                client.conn, state, propose, self.stats, client.info, rng,
+                fallback=cfg.fallback)) as deliveries:
+            while True:
+                try:
+                    # The budget bounds the waits for the core only, never the caller's
+                    # code between chunks.
+                    async with asyncio.timeout_at(deadline):
+                        delivery = await anext(deliveries)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    break
                 yield delivery
+        # The budget is spent: the drafts on their way to the verifier, then (draft-only)
+        # the draft alone, come unverified.
+        self.budget_spent = True
+        in_flight = state.pending
+        if in_flight is not None and in_flight.tokens and state.unverified is None:
+            state.add_unverified(in_flight.prefix(state.remaining))
+            yield unverified_delivery(state.unverified.tokens)
+        if cfg.fallback == DRAFT_ONLY:
+            async for delivery in draft_alone(state, propose, self._stop_ids(), self.stats):
+                yield delivery
+        self.stats.unverified_tokens = state.num_unverified
+
+    def _stop_ids(self) -> frozenset[int]:
+        cfg = self.config
+        return frozenset(cfg.stop_token_ids or (
+            () if cfg.ignore_eos else self.client.info.eos_token_ids))
 
     async def text(self) -> AsyncIterator[str]:
         stream = TextStream(self.client.tokenizer)

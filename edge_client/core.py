@@ -276,7 +276,7 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
                         yield delivery
                         if delivery.replaces and state.unverified is not None:
                             # What is still unverified after the resync, shown again.
-                            yield _unverified_delivery(state.unverified.tokens)
+                            yield unverified_delivery(state.unverified.tokens)
                 continue
             except grpc.aio.AioRpcError as err:
                 details = details_of(err)
@@ -293,7 +293,7 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
                      len(state.generated), details.code.name, details.reason or "-",
                      details.message)
             if draft_only and is_retryable(details):
-                async for delivery in _draft_alone(state, propose, stop_ids, stats):
+                async for delivery in draft_alone(state, propose, stop_ids, stats):
                     yield delivery
             try:
                 await backoff.wait(details)
@@ -312,12 +312,12 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
         stats.unverified_tokens = state.num_unverified
 
 
-def _unverified_delivery(tokens: list[int]) -> Delivery:
+def unverified_delivery(tokens: list[int]) -> Delivery:
     return Delivery(list(tokens), time.perf_counter(), 0, 0, 0, 0.0, 0.0, 0, 0, 0,
                     verified=False)
 
 
-async def _draft_alone(state: GenerationState, propose: Propose, stop_ids: frozenset[int],
+async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozenset[int],
                        stats: GenerationStats) -> AsyncIterator[Delivery]:
     """The draft-only fallback: the round that was lost becomes unverified (it was drafted
     after the committed text), then the draft proposes alone, a round's worth at a time,
@@ -326,7 +326,7 @@ async def _draft_alone(state: GenerationState, propose: Propose, stop_ids: froze
     if lost is not None and lost.tokens and state.unverified is None:
         state.add_unverified(_cut_at_stop(lost, stop_ids))
         stats.drafted_alone += len(state.unverified.tokens)
-        yield _unverified_delivery(state.unverified.tokens)
+        yield unverified_delivery(state.unverified.tokens)
     while (room := state.unverified_room()) > 0:
         shown = state.unverified.tokens if state.unverified is not None else []
         if shown and shown[-1] in stop_ids:
@@ -337,7 +337,7 @@ async def _draft_alone(state: GenerationState, propose: Propose, stop_ids: froze
             return
         state.add_unverified(proposal)
         stats.drafted_alone += len(proposal.tokens)
-        yield _unverified_delivery(proposal.tokens)
+        yield unverified_delivery(proposal.tokens)
 
 
 def _cut_at_stop(proposal: Proposal, stop_ids: frozenset[int]) -> Proposal:

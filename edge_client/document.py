@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_client.combined_drafter import make_drafter
-from edge_client.core import DRAFT_ONLY, GenerationStats, generate, model_proposer
+from edge_client.core import (
+    DRAFT_ONLY,
+    GenerationStats,
+    draft_alone,
+    generate,
+    model_proposer,
+    unverified_delivery,
+)
 from edge_client.drafter import DraftSampling
 from edge_client.generation_state import ROUNDS, GenerationState, ServerLimits
 from edge_client.session_streams import SessionKeeper
@@ -174,16 +181,21 @@ class AsyncDocument:
             task.cancel()
             raise
         cancelled = task is self._cancelled
-        if not task.done():  # the budget is spent
+        if not task.done():  # the budget is spent: the drafts on their way come unverified
             in_flight = state.pending
             task.cancel()
             await asyncio.wait([task])
-            run.add_in_flight(in_flight, state)
+            if in_flight is not None and in_flight.tokens and state.unverified is None:
+                state.add_unverified(in_flight.prefix(state.remaining))
+                run.add(unverified_delivery(state.unverified.tokens))
         elif not task.cancelled() and task.exception() is not None:
             raise task.exception()
         if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
-            await run.fill_alone(model_proposer(self._drafter, stats, self._drafting),
-                                 self._stop)
+            # Unreachable or too slow: the draft completes the suggestion alone.
+            async for delivery in draft_alone(
+                    state, model_proposer(self._drafter, stats, self._drafting), self._stop,
+                    stats):
+                run.add(delivery)
         return self._suggestion(run, cancelled, kept, stats, t0)
 
     def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
@@ -254,28 +266,6 @@ class _Run:
     def complete(self) -> bool:
         tokens = self.verified + self.unverified
         return len(tokens) >= self.max_new_tokens or self.state.finished
-
-    def add_in_flight(self, proposal, state: GenerationState) -> None:
-        """The drafts that were on their way when the budget ran out, if they still continue
-        what was verified."""
-        if proposal is None or self.unverified or state.committed != self.base + self.verified:
-            return
-        room = self.max_new_tokens - len(self.verified)
-        self.unverified = list(proposal.tokens[:room])
-
-    async def fill_alone(self, propose, stop_ids: frozenset[int]) -> None:
-        """Completes the suggestion with the draft alone (draft-only fallback)."""
-        while not self.complete:
-            tokens = self.verified + self.unverified
-            if tokens and tokens[-1] in stop_ids:
-                return
-            proposal = await propose(self.base + tokens, self.max_new_tokens - len(tokens))
-            if not proposal.tokens:
-                return
-            for token in proposal.tokens:
-                self.unverified.append(token)
-                if token in stop_ids:
-                    return
 
 
 def _tail(tokenizer, before: list[int], ids: list[int]) -> str:

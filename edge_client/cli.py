@@ -136,6 +136,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_ime(args: argparse.Namespace) -> int:
+    """``edge-client bench-ime ARGS`` runs ``edgespec-bench ime ARGS``: the benchmark lives
+    with the others (edge_client.bench, the bench extra) and is imported only here."""
+    try:
+        from edge_client.bench.cli import main as bench_main
+    except ImportError as err:
+        raise SystemExit(f"edge-client bench-ime: needs the benchmarks (pip install "
+                         f"'edgespec[bench]'): {err}") from None
+    return bench_main(["--log-level", args.log_level, "ime", *args.bench_args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-client", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"edgespec {version('edgespec')}")
@@ -151,13 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "('-': stdout, the text then streams to stderr)")
     add_generation_args(gen)
     gen.set_defaults(func=cmd_generate)
+    # Its arguments are edgespec-bench ime's, parsed there (main passes them through).
+    bench = sub.add_parser("bench-ime", add_help=False,
+                           help="the typing benchmark: edgespec-bench ime (same arguments; "
+                                "needs the bench extra)")
+    bench.set_defaults(func=cmd_bench_ime)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from edge_client.errors import run_command
 
-    return run_command("edge-client", build_parser().parse_args(argv))
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "bench-ime" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.bench_args = rest
+    return run_command("edge-client", args)
 
 
 if __name__ == "__main__":

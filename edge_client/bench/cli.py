@@ -4,6 +4,7 @@
     edgespec-bench acceptance --json PATH  # what the target accepts of each drafter's output
     edgespec-bench fleet --spawn --json PATH   # N simulated devices load-testing a verifier
     edgespec-bench sweep --spawn --json PATH   # capacity sweep: spec vs cloud-only
+    edgespec-bench ime --embedded --profile wifi --duration 60 --json PATH   # typing latency
 
 One name per concept on every subcommand: ``--json PATH``, ``--model`` (a target
 checkpoint), ``--draft-dir``, ``--protocol``. The benchmark modules are imported only when
@@ -43,8 +44,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_ime(args: argparse.Namespace) -> int:
+    from edge_client.bench.ime.cli import cmd_ime as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from edge_client.bench.fleet.cli import add_fleet_args, add_sweep_args
+    from edge_client.bench.ime.cli import add_ime_args
 
     parser = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"edgespec {version('edgespec')}")
@@ -95,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "cloud-only, per network profile")
     add_sweep_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
+
+    ime = sub.add_parser("ime", help="typing benchmark: keystroke-to-suggestion latency of "
+                                     "edit sessions, a session per key, and cloud-only, with "
+                                     "an outage drill")
+    add_ime_args(ime)
+    ime.set_defaults(func=cmd_ime)
     return parser
 
 

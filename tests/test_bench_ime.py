@@ -1,0 +1,134 @@
+"""The typing benchmark (edgespec-bench ime): the simulated typist, the messages it types, and
+one short run on the tiny pair against a real verifier process, with the outage drill."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edge_client.bench.eval_set import EvalPrompt, overlaps
+from edge_client.bench.ime.typist import BACKSPACE, Script, TypingProfile, type_message
+
+MESSAGE = "Are we still on for coffee at ten, or should we push it?"
+
+
+def test_a_typed_message_ends_as_the_message_with_keys_at_human_intervals():
+    profile = TypingProfile(typo_rate=0.2)
+    field = type_message(MESSAGE, 0, np.random.default_rng(3), profile)
+    assert field.text == MESSAGE
+    backspaces = [k for k in field.keys if k.key == BACKSPACE]
+    assert backspaces, "a typo rate of 0.2 over 40 letters made no typo"
+    assert len(field.keys) == len(MESSAGE) + 2 * len(backspaces)
+    times = [0.0] + [k.at_s for k in field.keys]
+    gaps = np.diff(times) * 1000
+    lo, hi = profile.key_ms
+    longest_pause = max(profile.word_pause_ms[1], profile.sentence_pause_ms[1])
+    assert gaps.min() >= min(lo, profile.reaction_ms[0])
+    assert gaps.max() <= hi + longest_pause
+    # Pauses come after spaces and punctuation, not inside words.
+    after_space = [g for g, k in zip(gaps[1:], field.keys, strict=False) if k.key == " "]
+    assert np.mean(after_space) > np.mean(gaps)
+    assert all(4 <= k.max_new_tokens <= 12 for k in field.keys)
+    for before, key in zip(field.keys, field.keys[1:], strict=False):
+        expected = before.text[:-1] if key.key == BACKSPACE else before.text + key.key
+        assert key.text == expected
+
+
+def test_a_script_is_reproducible_and_fills_the_duration():
+    messages = ["one two three", "four five six seven", "eight nine"]
+    a = Script(messages, 5).fields_for(20.0)
+    b = Script(messages, 5).fields_for(20.0)
+    assert a == b
+    assert sum(f.duration_s for f in a) >= 20.0
+    assert sum(f.duration_s for f in a[:-1]) < 20.0
+    assert {f.message for f in a} == {0, 1, 2}  # every message before any repeats
+
+
+def test_the_messages_are_kept_apart_from_training_data():
+    from test_eval_set import committed_texts, generator_texts
+
+    from edge_client.bench.ime.typist import load_messages
+
+    messages = load_messages()
+    assert len(messages) >= 60 and len(set(messages)) == len(messages)
+    prompts = [EvalPrompt(f"ime-bench-{i}", "ime", raw=m) for i, m in enumerate(messages)]
+    assert overlaps(generator_texts() + committed_texts(), prompts) == []
+
+
+def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path):
+    from edge_client.bench.cli import main
+    from edge_client.bench.ime.modes import edit_sessions_available
+
+    # Words of the tiny vocabulary, so that every prefix tokenizes to real ids.
+    messages = tmp_path / "messages.txt"
+    messages.write_text("t5 t12 t7, t30 t41.\nt60 t61 t3 t17?\nt14 t15 t16 t50.\n")
+    out = tmp_path / "ime.json"
+    drilled = "edit" if edit_sessions_available() else "reopen"
+    code = main(["ime", "--embedded", "--model", str(tiny_llama_pair.target_dir),
+                 "--draft-dir", str(tiny_llama_pair.draft_dir), "--messages", str(messages),
+                 "--profile", "wifi", "--duration", "4", "--outage-modes", drilled,
+                 "--outage-after", "1.5", "--outage", "1", "--recovery", "3",
+                 # The last key of each message waits long enough to see its suggestion
+                 # whole even on a loaded machine.
+                 "--linger-ms", "5000", "--verifier-arg=--threads=1",
+                 "--no-progress", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    assert set(modes) == {"edit", "reopen", "cloud-only"}
+    if not edit_sessions_available():
+        assert modes["edit"]["available"] is False and modes["edit"]["reason"]
+    ran = [name for name, m in modes.items() if m["available"]]
+    assert {"reopen", "cloud-only"} <= set(ran)
+    keys = {modes[name]["aggregate"]["keystrokes"] for name in ran}
+    assert len(keys) == 1 and keys.pop() > 10  # every mode typed the same keys
+    for name in ran:
+        agg = modes[name]["aggregate"]
+        assert agg["forwards_source"] == "server"
+        assert agg["forwards_per_keystroke"] > 0 and agg["tokens_computed_per_keystroke"] > 0
+        assert agg["suggestions_full"] >= 1, name
+        assert agg["suggest_ms_p95"] >= agg["suggest_ms_p50"] > 0
+        assert agg["first_token_ms_p95"] >= agg["first_token_ms_p50"] > 0
+        assert agg["suggestions_shown"] >= agg["suggestions_full"]
+        assert agg["cancelled"]["suggestions"] <= agg["keystrokes"]
+        assert agg["errors"] == {}
+        assert len(modes[name]["samples"]["suggest_ms"]) == agg["suggestions_full"]
+        assert set(agg["breakdown_ms"]) == {"draft", "network", "verify"}
+        # Every key of the measured phase gets one record; each either ends whole, is
+        # cancelled, or was still without a whole suggestion when the field closed.
+        assert agg["suggestions_full"] + agg["cancelled"]["suggestions"] <= agg["keystrokes"]
+    assert modes["cloud-only"]["aggregate"]["breakdown_ms"]["draft"] == 0
+    assert modes["cloud-only"]["aggregate"]["acceptance"] is None
+
+    outage = modes[drilled]["outage"]
+    assert outage is not None and outage["down_s"] >= 1.0
+    phases = outage["phases"]
+    assert phases["before"]["keystrokes"] > 0 and phases["down"]["keystrokes"] > 0
+    assert phases["after"]["keystrokes"] > 0
+    assert outage["client_errors"] == 0 and outage["errors"] == {}
+    assert outage["reopens"] > 0, "the verifier was restarted, yet no session was reopened"
+    if drilled == "edit":
+        # Draft-only suggestions go on, marked; once the verifier is back, all is verified.
+        assert outage["suggestions_continued"]
+        assert phases["down"]["unverified_suggestions"] > 0
+        assert outage["all_verified_after_recovery"]
+    else:
+        # Today's client shows nothing while the verifier is away: it retries until the
+        # next key cancels it (suggestions that were in flight at the kill aside).
+        assert phases["down"]["unverified_suggestions"] == 0
+    for name in ran:
+        if name != drilled:
+            assert modes[name]["outage"] is None
+    assert report["verifier"]["outage_drill"] == "ran"
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_edge_client_bench_ime_is_the_benchmark(capsys):
+    from edge_client.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench-ime", "--help"])
+    assert exc.value.code == 0
+    assert "usage: edgespec-bench ime" in capsys.readouterr().out

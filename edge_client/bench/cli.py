@@ -4,6 +4,7 @@
     edgespec-bench acceptance --json PATH  # what the target accepts of each drafter's output
     edgespec-bench fleet --spawn --json PATH   # N simulated devices load-testing a verifier
     edgespec-bench sweep --spawn --json PATH   # capacity sweep: spec vs cloud-only
+    edgespec-bench chaos --runs 20 --json PATH  # faults and verifier restarts: 0 tokens lost
 
 One name per concept on every subcommand: ``--json PATH``, ``--model`` (a target
 checkpoint), ``--draft-dir``, ``--protocol``. The benchmark modules are imported only when
@@ -43,7 +44,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from edge_client.bench.chaos.cli import cmd_chaos as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edge_client.bench.chaos.cli import add_chaos_args
     from edge_client.bench.fleet.cli import add_fleet_args, add_sweep_args
 
     parser = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__.splitlines()[0])
@@ -95,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "cloud-only, per network profile")
     add_sweep_args(sweep)
     sweep.set_defaults(func=cmd_sweep)
+
+    chaos = sub.add_parser("chaos", help="network faults and verifier kills under a "
+                                         "generation: tokens lost or duplicated, outputs "
+                                         "identical to a fault-free run")
+    add_chaos_args(chaos)
+    chaos.set_defaults(func=cmd_chaos)
     return parser
 
 

@@ -23,10 +23,17 @@ from edge_client.bench.fuzz.statuses import (
     undecodable_answered_right,
 )
 from edge_client.bench.fuzz.strategies import any_requests, raw_requests, structured_requests
-from edge_client.bench.fuzz.target import FuzzTarget, HonestSession
+from edge_client.bench.fuzz.target import (
+    KV_BUDGET_MB,
+    PREFIX_CACHE_MB,
+    RSS_SLACK_MB,
+    FuzzTarget,
+    HonestSession,
+)
 from shared import errors
 
 REPO = Path(__file__).resolve().parents[1]
+RSS_BOUND_MB = PREFIX_CACHE_MB + KV_BUDGET_MB + RSS_SLACK_MB
 FUZZ = dict(derandomize=True, database=None, deadline=None,
             suppress_health_check=list(HealthCheck))
 
@@ -82,6 +89,8 @@ def test_the_server_held_through_the_fuzz(target, honest):
     props = report["properties"]
     assert props["no_crash"] and props["no_hang"], report
     assert props["rss_bounded"], report["rss_mb"]
+    # ...and over the whole module, from the verifier's start.
+    assert report["rss_mb"]["max"] <= target.initial_rss_mb + RSS_BOUND_MB, report["rss_mb"]
     assert report["honest"]["runs"] >= 2, report["honest"]
     assert props["honest_unchanged"], report["honest"]
     assert report["requests"] == 40

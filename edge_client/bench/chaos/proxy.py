@@ -19,6 +19,8 @@ Kinds (``Fault.kind``):
   has already verified.
 - ``call``: message N is forwarded, then ``action()`` runs (the chaos run kills or stops the
   verifier this way).
+- ``hold``: connection C's first bytes from the verifier (its HTTP/2 SETTINGS) reach the
+  client ``delay_s`` late: a slow link's handshake.
 - ``refuse``: connection C is reset as soon as it is accepted, before any byte.
 - ``mute``: connection C is accepted and never answered (the verifier is not dialled).
 
@@ -43,9 +45,10 @@ log = logging.getLogger(__name__)
 UP, DOWN = "up", "down"  # client -> verifier, verifier -> client
 DELAY, CLOSE, RESET, BLACKHOLE, LOSE_REPLY, CALL = (
     "delay", "close", "reset", "blackhole", "lose-reply", "call")
-REFUSE, MUTE = "refuse", "mute"
+REFUSE, MUTE, HOLD = "refuse", "mute", "hold"
 MESSAGE_KINDS = frozenset({DELAY, CLOSE, RESET, BLACKHOLE, LOSE_REPLY, CALL})
 ACCEPT_KINDS = frozenset({REFUSE, MUTE})
+CONNECTION_KINDS = ACCEPT_KINDS | {HOLD}
 CHUNK_BYTES = 64 * 1024
 # A lose-reply fault resets the connection at the latest this long after the round passed,
 # should the verifier never answer it.
@@ -62,7 +65,7 @@ class Fault:
     action: Callable[[], None] | None = field(default=None, compare=False)  # call only
 
     def __post_init__(self) -> None:
-        if self.kind not in MESSAGE_KINDS | ACCEPT_KINDS:
+        if self.kind not in MESSAGE_KINDS | CONNECTION_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}")
         if self.direction not in (UP, DOWN):
             raise ValueError(f"direction must be {UP!r} or {DOWN!r}")
@@ -74,8 +77,9 @@ class Fault:
             raise ValueError("connection, message and delay_s must be >= 0")
 
     def describe(self) -> str:
-        if self.kind in ACCEPT_KINDS:
-            return f"{self.kind} connection {self.connection}"
+        if self.kind in CONNECTION_KINDS:
+            extra = f" {self.delay_s:g} s" if self.kind == HOLD else ""
+            return f"{self.kind}{extra} connection {self.connection}"
         extra = f" {self.delay_s:g} s" if self.kind == DELAY else ""
         return (f"{self.kind}{extra} at {self.direction} message {self.message} of connection "
                 f"{self.connection}")
@@ -209,6 +213,8 @@ class FaultProxy:
         faults = self._faults(conn, direction)
         writer = conn.writers[UP if direction == UP else DOWN]
         scanner = conn.scanners[direction]
+        hold = [f for f in self.faults if f.kind == HOLD and f.connection == conn.index
+                and direction == DOWN]
         while True:
             try:
                 data = await reader.read(CHUNK_BYTES)
@@ -228,6 +234,10 @@ class FaultProxy:
                 return
             if conn.ended:
                 return
+            if hold:
+                fault = hold.pop()
+                self._fire(fault)
+                await asyncio.sleep(fault.delay_s)
             base = scanner.offset
             messages = scanner.feed(data)
             if conn.silent:

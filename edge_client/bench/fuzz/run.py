@@ -111,6 +111,7 @@ def run_fuzz(target: FuzzTarget, strategy: SearchStrategy[FuzzRequest], n: int, 
     """Fuzzes ``target`` with ``n`` requests while ``honest`` (a started HonestSession, or
     None) runs; returns the report with every property."""
     fuzz_log = FuzzLog(target.api_key)
+    start_rss = round(target.rss_mb(), 1)  # the baseline if the run is shorter than WARMUP
     t0 = time.perf_counter()
 
     def on_result(request: FuzzRequest, outcome: Outcome) -> None:
@@ -125,7 +126,7 @@ def run_fuzz(target: FuzzTarget, strategy: SearchStrategy[FuzzRequest], n: int, 
     alive = target.alive() and target.serving()
     if alive:
         fuzz_log.rss_mb.append(round(target.rss_mb(), 1))
-    baseline = fuzz_log.baseline_rss_mb or (fuzz_log.rss_mb[0] if fuzz_log.rss_mb else 0.0)
+    baseline = fuzz_log.baseline_rss_mb or start_rss
     bound = baseline + PREFIX_CACHE_MB + KV_BUDGET_MB + RSS_SLACK_MB
     honest_report = honest.report if honest is not None else None
     properties = {

@@ -5,6 +5,8 @@
     edgespec-bench fleet --spawn --json PATH   # N simulated devices load-testing a verifier
     edgespec-bench sweep --spawn --json PATH   # capacity sweep: spec vs cloud-only
     edgespec-bench ime --embedded --profile wifi --duration 60 --json PATH   # typing latency
+    edgespec-bench chaos --runs 20 --json PATH  # faults and verifier restarts: 0 tokens lost
+    edgespec-bench fuzz --requests 10000 --json PATH  # Hypothesis against a live verifier
 
 One name per concept on every subcommand: ``--json PATH``, ``--model`` (a target
 checkpoint), ``--draft-dir``, ``--protocol``. The benchmark modules are imported only when
@@ -50,8 +52,22 @@ def cmd_ime(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from edge_client.bench.chaos.cli import cmd_chaos as run
+
+    return run(args)
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    from edge_client.bench.fuzz.cli import cmd_fuzz as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from edge_client.bench.chaos.cli import add_chaos_args
     from edge_client.bench.fleet.cli import add_fleet_args, add_sweep_args
+    from edge_client.bench.fuzz.cli import add_fuzz_args
     from edge_client.bench.ime.cli import add_ime_args
 
     parser = argparse.ArgumentParser(prog="edgespec-bench", description=__doc__.splitlines()[0])
@@ -109,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      "an outage drill")
     add_ime_args(ime)
     ime.set_defaults(func=cmd_ime)
+
+    chaos = sub.add_parser("chaos", help="network faults and verifier kills under a "
+                                         "generation: tokens lost or duplicated, outputs "
+                                         "identical to a fault-free run")
+    add_chaos_args(chaos)
+    chaos.set_defaults(func=cmd_chaos)
+
+    fuzz = sub.add_parser("fuzz", help="Hypothesis-drawn requests against a live verifier: "
+                                       "only documented statuses, no crash, RSS bounded, an "
+                                       "honest session unchanged")
+    add_fuzz_args(fuzz)
+    fuzz.set_defaults(func=cmd_fuzz)
     return parser
 
 

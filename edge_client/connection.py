@@ -207,12 +207,20 @@ class Connection:
             # the verifier permits pings this often (its --min-client-ping, 5 s by default).
             ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(min(5.0, keepalive_s) * 1000)),
+            # Every ping times out as a keepalive ping does: without this, a ping already in
+            # flight (the flow-control ping sent with the first stream) blocks keepalive's
+            # own and waits gRPC's default 60 s, so a silent partition took ~61 s to notice
+            # (tests/test_chaos.py).
+            ("grpc.http2.ping_timeout_ms", int(min(5.0, keepalive_s) * 1000)),
             ("grpc.http2.max_pings_without_data", 0),
             # Reconnect soon after a restart instead of gRPC's default back-off (up to 120 s);
             # the generation's own back-off paces the attempts.
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1_000),
+            # gRPC also takes this as the shortest connection attempt: at 100 ms a handshake
+            # slower than that (a loaded verifier, an RTT above ~70 ms) failed connect() at
+            # once. A refused connection still fails at once and is retried after the back-off.
+            ("grpc.min_reconnect_backoff_ms", 5_000),
         ]
         if tls is not None and tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))

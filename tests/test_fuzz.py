@@ -68,10 +68,6 @@ def test_structured_requests_end_only_with_documented_statuses(target, honest, d
         f"{outcome_name(outcome.code, outcome.reason)}: {outcome.message}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "undecodable payloads get UNKNOWN ('Unexpected <class ...DecodeError'>', unary RPCs, "
-    "before authentication) or INTERNAL (Session streams), with a server traceback each; "
-    "helper 'limits' makes them INVALID_ARGUMENT on branch limits: flip at merge"))
 @settings(max_examples=60, phases=[Phase.explicit, Phase.generate], **FUZZ)
 @given(data=st.data())
 def test_undecodable_payloads_get_invalid_argument(target, honest, data):

@@ -27,6 +27,7 @@ DOCUMENTED_CODES: dict[str, grpc.StatusCode] = {
     errors.DRAINING: grpc.StatusCode.UNAVAILABLE,
     errors.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     errors.INTERNAL: grpc.StatusCode.INTERNAL,
+    errors.STREAM_IDLE: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 assert set(DOCUMENTED_CODES) == errors.REASONS, "every ErrorReason has a documented code"
 # Documented, but a verifier bug: a fuzzed input must never produce it.

@@ -189,11 +189,17 @@ def test_one_keys_idle_sessions_do_not_lock_out_another(target):
             time.sleep(FAIR_SHARE_IDLE_S + 0.1)  # alice's sessions are now idle
             with SessionCall(stub, open_message(), metadata=bearer(BOB)) as bob:
                 assert bob.step().committed_length == len(PROMPT) + 1
-            # The oldest of alice's sessions made room.
-            err = error_of(calls[0].send(verify_message(1)).step)
-            assert (err.code, err.reason) == (grpc.StatusCode.NOT_FOUND,
-                                              errors.SESSION_EVICTED)
-            assert calls[1].send(verify_message(1)).step().round == 1
+            # One of alice's sessions made room (the least recently used; the three were
+            # answered in one batched forward, so which one is a tie); the others go on.
+            outcomes = []
+            for call in calls:
+                try:
+                    outcomes.append(call.send(verify_message(1)).step().round)
+                except grpc.RpcError as exc:
+                    err = errors.details_of(exc)
+                    outcomes.append((err.code, err.reason))
+            assert sorted(outcomes, key=str) == sorted(
+                [1, 1, (grpc.StatusCode.NOT_FOUND, errors.SESSION_EVICTED)], key=str), outcomes
         finally:
             for call in calls:
                 call.cancel()

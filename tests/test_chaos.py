@@ -134,7 +134,11 @@ def test_a_generation_survives_kill_or_stop_of_the_verifier(verifier, settings, 
     record = asyncio.run(run_one(verifier, settings, scenario, run, decoding, reference))
     assert record["ok"], record
     assert verifier.proc.pid != pid, "a fresh verifier process serves on the same port"
-    assert record["reopens"] >= 1 and record["lost"] == record["duplicated"] == 0
+    assert record["lost"] == record["duplicated"] == 0
+    if scenario == "kill-9":
+        assert record["reopens"] >= 1
+    # SIGTERM drains: a generation this short finishes on the draining verifier within its
+    # grace (reopens 0), a longer one is told DRAINING and reopens (tests/test_drain.py).
 
 
 def test_a_silent_partition_is_survived(verifier, settings):

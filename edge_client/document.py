@@ -190,12 +190,20 @@ class AsyncDocument:
                 run.add(unverified_delivery(state.unverified.tokens))
         elif not task.cancelled() and task.exception() is not None:
             raise task.exception()
+        cancelled = task is self._cancelled  # also by a newer suggest() while we waited
         if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
-            # Unreachable or too slow: the draft completes the suggestion alone.
-            async for delivery in draft_alone(
-                    state, model_proposer(self._drafter, stats, self._drafting), self._stop,
-                    stats):
-                run.add(delivery)
+            # Unreachable or too slow: the draft completes the suggestion alone. It is the
+            # suggestion in flight until it returns, so that a newer suggest() stops it before
+            # editing the state it is drafting on.
+            task = self._task = asyncio.ensure_future(self._draft_rest(state, stats, run))
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            cancelled = task is self._cancelled
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
         return self._suggestion(run, cancelled, kept, stats, t0)
 
     def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
@@ -227,6 +235,13 @@ class AsyncDocument:
                 run.add(delivery)
                 if not delivery.verified and run.complete:
                     return  # a whole suggestion from the draft alone: the user has it now
+
+    async def _draft_rest(self, state: GenerationState, stats: GenerationStats,
+                          run: _Run) -> None:
+        async for delivery in draft_alone(
+                state, model_proposer(self._drafter, stats, self._drafting), self._stop,
+                stats):
+            run.add(delivery)
 
     def _suggestion(self, run: _Run, cancelled: bool, kept: int, stats: GenerationStats,
                     t0: float) -> Suggestion:

@@ -379,6 +379,37 @@ def test_a_suggestion_cancelled_before_its_open_left_reopens_with_an_open(
     assert after.stats.reopens == 0
 
 
+def test_a_new_suggest_stops_the_draft_only_completion_in_flight(verifier, tiny_llama_pair,
+                                                                 target):
+    """A suggestion whose budget was spent is completed by the draft alone; a keystroke
+    then must stop that completion too (it returns cancelled) before the next suggestion
+    edits the state it drafts on, and the next suggestion is the target's own."""
+    link = HeldLink()
+    cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only")
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,
+                                   link=link) as client:
+            async with client.document(cfg) as doc:
+                drafter = doc._drafter = HeldDrafter(doc._drafter)
+                link.hold.set()  # the open never arrives in time: the budget is spent
+                older = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=8,
+                                                          budget_ms=50))
+                await asyncio.wait_for(link.held.wait(), 30)
+                drafter.hold.set()  # the draft-only completion's proposal waits
+                await asyncio.to_thread(drafter.held.wait, 30)
+                newer = asyncio.ensure_future(doc.suggest(PROMPT + [9], max_new_tokens=4))
+                await asyncio.sleep(0)  # one turn of the loop: the newer one starts
+                drafter.go.set()
+                link.go.set()
+                return await older, await newer
+
+    older, newer = asyncio.run(run())
+    assert older.cancelled
+    assert not newer.cancelled and newer.token_ids == hf_greedy(target, PROMPT + [9], 4)
+    assert newer.unverified_ids == []
+
+
 def test_cancel_from_another_thread_returns_a_cancelled_suggestion(verifier, tiny_llama_pair,
                                                                    target):
     with EdgeClient(verifier.address, tiny_llama_pair.draft_dir, rtt_ms=100) as client, \

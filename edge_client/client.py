@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -64,6 +65,9 @@ from edge_client.link import DelayLink, Link
 from edge_client.rate_chooser import RateChooser
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 from shared.paths import default_draft_dir
+from shared.pb import verifier_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,9 +137,14 @@ class AsyncEdgeClient:
                  deadlines: Deadlines | None = None, retry: RetryPolicy | None = None,
                  rtt_ms: float = 0.0, link: Link | None = None,
                  intra_op_threads: int | None = None, tls: ClientTls | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, fallback: str = FAIL) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}")
+        # DRAFT_ONLY: connect() comes up without a verifier it cannot reach (info None);
+        # documents then suggest with the draft alone until one answers (refresh_info).
+        self.fallback = fallback
         draft_dir = Path(draft_dir) if draft_dir is not None else default_draft_dir()
         self.tokenizer = EdgeTokenizer(draft_dir)
         self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
@@ -149,8 +158,21 @@ class AsyncEdgeClient:
         self.info = None
 
     async def connect(self) -> AsyncEdgeClient:
-        """Asks the verifier what it serves and refuses one with another tokenizer."""
-        self.info = info = await self.conn.info()
+        """Asks the verifier what it serves and refuses one with another tokenizer. With
+        ``fallback="draft-only"`` an unreachable verifier is not an error: the client comes
+        up with ``info`` None (the draft's tokenizer is local)."""
+        try:
+            await self.refresh_info()
+        except VerifierUnavailable as err:
+            if self.fallback != DRAFT_ONLY:
+                raise
+            log.warning("%s; coming up with the draft alone", err)
+        return self
+
+    async def refresh_info(self) -> pb.GetInfoResponse:
+        """GetInfo once; sets ``info`` if the verifier serves this draft's tokenizer, else
+        raises IncompatibleVerifier (VerifierUnavailable when it cannot be reached)."""
+        info = await self.conn.info()
         if info.tokenizer_fingerprint != self.tokenizer.fingerprint:
             raise IncompatibleVerifier(
                 f"the verifier at {self.conn.address} serves {info.target_model!r} whose "
@@ -160,7 +182,8 @@ class AsyncEdgeClient:
             raise IncompatibleVerifier(
                 f"the verifier's vocabulary has {info.vocab_size} ids but the draft model "
                 f"outputs {self.model.vocab_size}")
-        return self
+        self.info = info
+        return info
 
     async def close(self) -> None:
         await self.conn.close()
@@ -181,6 +204,10 @@ class AsyncEdgeClient:
         """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids.
         ``routing_key``: see ``edge_client.core.generate`` (None: a fresh one)."""
         if self.info is None:
+            if self.fallback == DRAFT_ONLY:
+                raise VerifierUnavailable(
+                    f"the verifier at {self.conn.address} was unreachable at connect(); "
+                    "call refresh_info() when it serves (documents suggest without it)")
             raise RuntimeError("call connect() (or use `async with`) before generate()")
         return AsyncGeneration(self, self.prompt_ids(prompt, chat), config, routing_key)
 

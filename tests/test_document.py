@@ -34,7 +34,6 @@ from edge_client.core import GenerationStats, generate, model_proposer
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter
 from edge_client.generation_state import GenerationState, ServerLimits, SessionParams
-from edge_client.link import Link
 from edge_client.local_verifier import free_port
 from shared.pb import verifier_pb2 as pb
 from shared.pb import verifier_pb2_grpc as pb_grpc
@@ -308,106 +307,6 @@ def test_a_new_suggest_cancels_the_one_in_flight(verifier, tiny_llama_pair, targ
     older, newer = asyncio.run(run())
     assert older.cancelled and len(older.token_ids) < 40
     assert not newer.cancelled and newer.token_ids == hf_greedy(target, PROMPT + [31], 3)
-
-
-class HeldLink(Link):
-    """A link that holds the next message on its way while ``hold`` is set: ``held`` tells
-    that one is held, ``go`` lets it through (events, so the interleaving is forced)."""
-
-    def __init__(self) -> None:
-        self.hold, self.held, self.go = asyncio.Event(), asyncio.Event(), asyncio.Event()
-
-    async def send(self, nbytes: int) -> None:
-        if self.hold.is_set():
-            self.hold.clear()
-            self.held.set()
-            await self.go.wait()
-
-
-class HeldDrafter:
-    """The document's drafter, with its next proposal held (in its worker thread) until
-    released."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.hold, self.held, self.go = threading.Event(), threading.Event(), threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, committed, k):
-        if self.hold.is_set():
-            self.hold.clear()
-            self.held.set()
-            self.go.wait(30)
-        return self.inner.propose(committed, k)
-
-
-@pytest.mark.parametrize("where", ["drafting round 0", "the open on its way"])
-def test_a_suggestion_cancelled_before_its_open_left_reopens_with_an_open(
-        verifier, tiny_llama_pair, target, where):
-    """A keystroke that cancels a fresh session's first suggestion before its open was
-    handed to gRPC (its round 0 still drafting, or the open still crossing the link) must
-    not leave that stream kept: the next suggestion would send a VerifyRound first and the
-    verifier refuse it, INVALID_ARGUMENT "the first message of a Session stream must be
-    open" (seen in edgespec-bench ime)."""
-    link = HeldLink()
-
-    async def run():
-        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,
-                                   link=link) as client:
-            async with client.document(GREEDY) as doc:
-                drafter = doc._drafter = HeldDrafter(doc._drafter)
-                if where == "drafting round 0":
-                    drafter.hold.set()
-                else:
-                    link.hold.set()
-                first = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=4))
-                if where == "drafting round 0":
-                    await asyncio.to_thread(drafter.held.wait, 30)
-                else:
-                    await asyncio.wait_for(link.held.wait(), 30)
-                doc.cancel()
-                cancelled = await first
-                drafter.go.set()
-                link.go.set()
-                return cancelled, await doc.suggest(PROMPT + [9], max_new_tokens=4)
-
-    cancelled, after = asyncio.run(run())
-    assert cancelled.cancelled and cancelled.token_ids == []
-    assert not after.cancelled and after.token_ids == hf_greedy(target, PROMPT + [9], 4)
-    assert after.stats.reopens == 0
-
-
-def test_a_new_suggest_stops_the_draft_only_completion_in_flight(verifier, tiny_llama_pair,
-                                                                 target):
-    """A suggestion whose budget was spent is completed by the draft alone; a keystroke
-    then must stop that completion too (it returns cancelled) before the next suggestion
-    edits the state it drafts on, and the next suggestion is the target's own."""
-    link = HeldLink()
-    cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only")
-
-    async def run():
-        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,
-                                   link=link) as client:
-            async with client.document(cfg) as doc:
-                drafter = doc._drafter = HeldDrafter(doc._drafter)
-                link.hold.set()  # the open never arrives in time: the budget is spent
-                older = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=8,
-                                                          budget_ms=50))
-                await asyncio.wait_for(link.held.wait(), 30)
-                drafter.hold.set()  # the draft-only completion's proposal waits
-                await asyncio.to_thread(drafter.held.wait, 30)
-                newer = asyncio.ensure_future(doc.suggest(PROMPT + [9], max_new_tokens=4))
-                await asyncio.sleep(0)  # one turn of the loop: the newer one starts
-                drafter.go.set()
-                link.go.set()
-                return await older, await newer
-
-    older, newer = asyncio.run(run())
-    assert older.cancelled
-    assert not newer.cancelled and newer.token_ids == hf_greedy(target, PROMPT + [9], 4)
-    assert newer.unverified_ids == []
 
 
 def test_cancel_from_another_thread_returns_a_cancelled_suggestion(verifier, tiny_llama_pair,

@@ -85,9 +85,12 @@ class GenerationConfig:
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
     # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
     # choose drafting or cloud-side decoding by measured rate (edge_client.rate_chooser).
-    # Off by default: both depend on load, so sampled outputs would no longer be a function
-    # of the seed (they stay exact in distribution).
-    follow_suggested_draft_len: bool = False
+    # Both depend on load, so sampled outputs would no longer be a function of the seed
+    # (they stay exact in distribution). None (the default): documents (edge_client.document)
+    # follow the suggested K, so that an IME's session stops drafting when its drafts keep
+    # being rejected (acceptance collapse), but do not choose by rate; generations do
+    # neither. True: both do both; False: neither does either.
+    follow_suggested_draft_len: bool | None = None
     # When the verifier is unreachable or too slow: "fail" (retry within the retry budget,
     # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
     # marked unverified, and they are verified when the verifier is back; edge_client.core).
@@ -262,7 +265,7 @@ class AsyncGeneration:
 
     async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
-        adaptive = cfg.follow_suggested_draft_len
+        adaptive = cfg.follow_suggested_draft_len is True
         state = GenerationState(self.prompt_ids, cfg.session_params(),
                                 ServerLimits.from_info(client.info), cfg.draft_len,
                                 client.protocol, follow_suggestion=adaptive,

@@ -246,7 +246,9 @@ class AsyncDocument:
         """The state for the next suggestion, and how many committed tokens it keeps."""
         cfg, client = self.config, self.client
         if self._state is None:
-            adaptive = cfg.follow_suggested_draft_len
+            # A document follows the server's K unless told not to (GenerationConfig).
+            follow = cfg.follow_suggested_draft_len is not False
+            adaptive = cfg.follow_suggested_draft_len is True
             self._offline = client.info is None
             limits = (ServerLimits.from_info(client.info) if not self._offline else
                       ServerLimits(client.model.vocab_size, cfg.draft_len,
@@ -254,7 +256,7 @@ class AsyncDocument:
             self._state = GenerationState(
                 ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
                 limits, cfg.draft_len, ROUNDS,
-                follow_suggestion=adaptive, chooser=client.chooser if adaptive else None,
+                follow_suggestion=follow, chooser=client.chooser if adaptive else None,
                 editable=True)
             return self._state, 0
         state = self._state

@@ -200,3 +200,45 @@ def test_a_late_verifier_with_another_tokenizer_is_refused(target, tiny_llama_pa
 
     away, info = asyncio.run(run())
     assert len(away.unverified_ids) == 2 and info is None
+
+
+class WrongDrafter:
+    """The document's drafter with every draft replaced by a token the target never picks
+    there (it knows the target's greedy continuation of PROMPT): acceptance 0."""
+
+    def __init__(self, inner, want: list[int], vocab_size: int) -> None:
+        self.inner, self.want, self.vocab_size = inner, want, vocab_size
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, committed, k):
+        proposal = self.inner.propose(committed, k)
+        at = len(committed) - len(PROMPT)
+        tokens = [(self.want[at] + 1) % self.vocab_size] * len(proposal.tokens)
+        return type(proposal)(tokens, None, proposal.confidence)
+
+
+@pytest.mark.parametrize("follow", [None, False], ids=["default", "off"])
+def test_a_document_follows_the_acceptance_collapse_by_default(verifier, tiny_llama_pair,
+                                                               target, follow):
+    """Drafts that are always rejected: the verifier's suggested K falls to 0. By default a
+    document follows it (its rounds become a Decode, no drafts sent); with
+    follow_suggested_draft_len=False it drafts K every round. Greedy output is the target's
+    either way."""
+    n = 40
+    want = hf_greedy(target, PROMPT, n)
+    cfg = GenerationConfig(draft_len=3, ignore_eos=True, follow_suggested_draft_len=follow)
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(cfg) as doc:
+                doc._drafter = WrongDrafter(doc._drafter, want, target.vocab_size)
+                return await doc.suggest(PROMPT, max_new_tokens=n)
+
+    s = asyncio.run(run())
+    assert s.token_ids == want and s.stats.accepted == 0
+    if follow is None:  # collapsed within a few rounds, then decoded without drafts
+        assert s.stats.drafted < n
+    else:  # one rejected round per token, each with K = 3 drafts (the last with fewer)
+        assert s.stats.drafted >= 3 * (n - 3)

@@ -24,7 +24,13 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   is unreachable, or that has no verified token when the budget is spent, is completed by the
   draft alone, marked unverified. The next suggestion over the same text (or a text that
   took some of those tokens) sends the rest of them first, as drafts: the verifier verifies
-  them, and ``stats.replaced_tokens`` says how many it replaced.
+  them, and ``stats.replaced_tokens`` says how many it replaced. A client made with
+  ``fallback="draft-only"`` comes up without a verifier it cannot reach: its documents
+  suggest with the draft alone, and the first suggestion that reaches one checks its
+  tokenizer (IncompatibleVerifier) before verifying them.
+- **Acceptance collapse.** A document follows the verifier's ``suggested_draft_len`` unless
+  ``follow_suggested_draft_len=False``: when its drafts keep being rejected it sends a
+  Decode instead of drafts, until drafting pays again.
 
 Faults (eviction, expiry, a verifier restart, back-off) are handled by the one client core
 (edge_client.core): a document whose session was lost reopens with its committed text.

@@ -161,6 +161,7 @@ class AsyncDocument:
 
     async def close(self) -> None:
         """Stops what is in flight and closes the verifier's session."""
+        self._calls += 1  # a suggest() waiting for the one in flight returns cancelled
         self._cancel_now()
         if self._task is not None:
             await asyncio.wait([self._task])

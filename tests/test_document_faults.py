@@ -242,3 +242,28 @@ def test_a_document_follows_the_acceptance_collapse_by_default(verifier, tiny_ll
         assert s.stats.drafted < n
     else:  # one rejected round per token, each with K = 3 drafts (the last with fewer)
         assert s.stats.drafted >= 3 * (n - 3)
+
+
+def test_close_also_stops_a_suggestion_waiting_for_the_one_in_flight(verifier,
+                                                                     tiny_llama_pair):
+    """close() while one suggestion drafts and a newer one waits for it to stop: both return
+    cancelled, and no session is opened after the close."""
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            doc = client.document(GREEDY)
+            drafter = doc._drafter = HeldDrafter(doc._drafter)
+            drafter.hold.set()
+            older = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=4))
+            await asyncio.to_thread(drafter.held.wait, 30)
+            newer = asyncio.ensure_future(doc.suggest(PROMPT + [9], max_new_tokens=4))
+            await asyncio.sleep(0)  # one turn of the loop: the newer one waits
+            closing = asyncio.ensure_future(doc.close())
+            await asyncio.sleep(0)
+            drafter.go.set()
+            await closing
+            return await older, await newer, doc._keeper.stream
+
+    older, newer, stream = asyncio.run(run())
+    assert older.cancelled and newer.cancelled and newer.token_ids == []
+    assert stream is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -64,6 +65,9 @@ from edge_client.link import DelayLink, Link
 from edge_client.rate_chooser import RateChooser
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 from shared.paths import default_draft_dir
+from shared.pb import verifier_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,12 @@ class GenerationConfig:
     drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
     # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
     # choose drafting or cloud-side decoding by measured rate (edge_client.rate_chooser).
-    # Off by default: both depend on load, so sampled outputs would no longer be a function
-    # of the seed (they stay exact in distribution).
-    follow_suggested_draft_len: bool = False
+    # Both depend on load, so sampled outputs would no longer be a function of the seed
+    # (they stay exact in distribution). None (the default): documents (edge_client.document)
+    # follow the suggested K, so that an IME's session stops drafting when its drafts keep
+    # being rejected (acceptance collapse), but do not choose by rate; generations do
+    # neither. True: both do both; False: neither does either.
+    follow_suggested_draft_len: bool | None = None
     # When the verifier is unreachable or too slow: "fail" (retry within the retry budget,
     # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
     # marked unverified, and they are verified when the verifier is back; edge_client.core).
@@ -133,9 +140,14 @@ class AsyncEdgeClient:
                  deadlines: Deadlines | None = None, retry: RetryPolicy | None = None,
                  rtt_ms: float = 0.0, link: Link | None = None,
                  intra_op_threads: int | None = None, tls: ClientTls | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, fallback: str = FAIL) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}")
+        # DRAFT_ONLY: connect() comes up without a verifier it cannot reach (info None);
+        # documents then suggest with the draft alone until one answers (refresh_info).
+        self.fallback = fallback
         draft_dir = Path(draft_dir) if draft_dir is not None else default_draft_dir()
         self.tokenizer = EdgeTokenizer(draft_dir)
         self.model = OnnxDraftModel(draft_dir, intra_op_threads=intra_op_threads)
@@ -149,8 +161,21 @@ class AsyncEdgeClient:
         self.info = None
 
     async def connect(self) -> AsyncEdgeClient:
-        """Asks the verifier what it serves and refuses one with another tokenizer."""
-        self.info = info = await self.conn.info()
+        """Asks the verifier what it serves and refuses one with another tokenizer. With
+        ``fallback="draft-only"`` an unreachable verifier is not an error: the client comes
+        up with ``info`` None (the draft's tokenizer is local)."""
+        try:
+            await self.refresh_info()
+        except VerifierUnavailable as err:
+            if self.fallback != DRAFT_ONLY:
+                raise
+            log.warning("%s; coming up with the draft alone", err)
+        return self
+
+    async def refresh_info(self) -> pb.GetInfoResponse:
+        """GetInfo once; sets ``info`` if the verifier serves this draft's tokenizer, else
+        raises IncompatibleVerifier (VerifierUnavailable when it cannot be reached)."""
+        info = await self.conn.info()
         if info.tokenizer_fingerprint != self.tokenizer.fingerprint:
             raise IncompatibleVerifier(
                 f"the verifier at {self.conn.address} serves {info.target_model!r} whose "
@@ -160,7 +185,8 @@ class AsyncEdgeClient:
             raise IncompatibleVerifier(
                 f"the verifier's vocabulary has {info.vocab_size} ids but the draft model "
                 f"outputs {self.model.vocab_size}")
-        return self
+        self.info = info
+        return info
 
     async def close(self) -> None:
         await self.conn.close()
@@ -181,6 +207,10 @@ class AsyncEdgeClient:
         """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids.
         ``routing_key``: see ``edge_client.core.generate`` (None: a fresh one)."""
         if self.info is None:
+            if self.fallback == DRAFT_ONLY:
+                raise VerifierUnavailable(
+                    f"the verifier at {self.conn.address} was unreachable at connect(); "
+                    "call refresh_info() when it serves (documents suggest without it)")
             raise RuntimeError("call connect() (or use `async with`) before generate()")
         return AsyncGeneration(self, self.prompt_ids(prompt, chat), config, routing_key)
 
@@ -235,7 +265,7 @@ class AsyncGeneration:
 
     async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
-        adaptive = cfg.follow_suggested_draft_len
+        adaptive = cfg.follow_suggested_draft_len is True
         state = GenerationState(self.prompt_ids, cfg.session_params(),
                                 ServerLimits.from_info(client.info), cfg.draft_len,
                                 client.protocol, follow_suggestion=adaptive,

@@ -24,7 +24,13 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   is unreachable, or that has no verified token when the budget is spent, is completed by the
   draft alone, marked unverified. The next suggestion over the same text (or a text that
   took some of those tokens) sends the rest of them first, as drafts: the verifier verifies
-  them, and ``stats.replaced_tokens`` says how many it replaced.
+  them, and ``stats.replaced_tokens`` says how many it replaced. A client made with
+  ``fallback="draft-only"`` comes up without a verifier it cannot reach: its documents
+  suggest with the draft alone, and the first suggestion that reaches one checks its
+  tokenizer (IncompatibleVerifier) before verifying them.
+- **Acceptance collapse.** A document follows the verifier's ``suggested_draft_len`` unless
+  ``follow_suggested_draft_len=False``: when its drafts keep being rejected it sends a
+  Decode instead of drafts, until drafting pays again.
 
 Faults (eviction, expiry, a verifier restart, back-off) are handled by the one client core
 (edge_client.core): a document whose session was lost reopens with its committed text.
@@ -51,11 +57,16 @@ from edge_client.core import (
     unverified_delivery,
 )
 from edge_client.drafter import DraftSampling
+from edge_client.errors import VerifierUnavailable
 from edge_client.generation_state import ROUNDS, GenerationState, ServerLimits
 from edge_client.session_streams import SessionKeeper
 
 if TYPE_CHECKING:
     from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
+
+# The context a draft without a position limit may suggest in while no verifier has said
+# its own (the verifier's max_context replaces it when it answers).
+_NO_CONTEXT_CAP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class AsyncDocument:
     """One text field's editing session. No RPC until the first ``suggest``."""
 
     def __init__(self, client: AsyncEdgeClient, config: GenerationConfig) -> None:
-        if client.info is None:
+        if client.info is None and client.fallback != DRAFT_ONLY:
             raise RuntimeError("call connect() (or use `async with`) before document()")
         if client.protocol != ROUNDS:
             raise ValueError("a document needs the rounds protocol")
@@ -108,14 +119,19 @@ class AsyncDocument:
         self._calls = 0  # suggest() calls so far: the newest one wins
         self._cancelled: asyncio.Task | None = None  # the task cancel() stopped, if any
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = frozenset(config.stop_token_ids or (
-            () if config.ignore_eos else client.info.eos_token_ids))
+        self._offline = False  # the state's limits are the draft's own, not the verifier's
 
     async def __aenter__(self) -> AsyncDocument:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    @property
+    def _stop(self) -> frozenset[int]:
+        eos = (self.client.info.eos_token_ids if self.client.info is not None
+               else self.client.tokenizer.eos_token_ids)
+        return frozenset(self.config.stop_token_ids or (() if self.config.ignore_eos else eos))
 
     @property
     def committed_ids(self) -> list[int]:
@@ -145,6 +161,7 @@ class AsyncDocument:
 
     async def close(self) -> None:
         """Stops what is in flight and closes the verifier's session."""
+        self._calls += 1  # a suggest() waiting for the one in flight returns cancelled
         self._cancel_now()
         if self._task is not None:
             await asyncio.wait([self._task])
@@ -168,19 +185,59 @@ class AsyncDocument:
         while self._task is not None and not self._task.done():
             self._cancel_now()
             await asyncio.wait([self._task])
+        online = call == self._calls and await self._reach_verifier()
         if call != self._calls:  # a newer suggest() came while we waited: it goes instead
             return Suggestion([], [], "", "", True,
                               SuggestionStats(wall_ms=(time.perf_counter() - t0) * 1000))
         state, kept = self._edit(ids, max_new_tokens)
         stats = GenerationStats()
         run = _Run(state)
+        if online:
+            cancelled = await self._verified(state, stats, run, budget_ms)
+        else:  # the client came up without its verifier: the draft suggests alone
+            cancelled = False
+        if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
+            # Unreachable or too slow: the draft completes the suggestion alone. It is the
+            # suggestion in flight until it returns, so that a newer suggest() stops it before
+            # editing the state it is drafting on.
+            task = self._task = asyncio.ensure_future(self._draft_rest(state, stats, run))
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            cancelled = task is self._cancelled
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return self._suggestion(run, cancelled, kept, stats, t0)
+
+    async def _reach_verifier(self) -> bool:
+        """Whether the client has its verifier. One that came up without it asks again, once
+        per suggestion; when it answers, its tokenizer is checked (IncompatibleVerifier) and
+        the document's state takes its limits. Unreachable: False with the draft-only
+        fallback, else VerifierUnavailable."""
+        client = self.client
+        if client.info is None:
+            try:
+                await client.refresh_info()
+            except VerifierUnavailable:
+                if self.config.fallback != DRAFT_ONLY:
+                    raise
+                return False
+        if self._offline and self._state is not None:
+            self._state.limits = ServerLimits.from_info(client.info)
+            self._offline = False
+        return True
+
+    async def _verified(self, state: GenerationState, stats: GenerationStats, run: _Run,
+                        budget_ms: float | None) -> bool:
+        """Runs the suggestion against the verifier; whether it was cancelled."""
         task = self._task = asyncio.ensure_future(self._run(state, stats, run))
         try:
             await asyncio.wait([task], timeout=None if budget_ms is None else budget_ms / 1000)
         except asyncio.CancelledError:  # our caller went away: so does the suggestion
             task.cancel()
             raise
-        cancelled = task is self._cancelled
         if not task.done():  # the budget is spent: the drafts on their way come unverified
             in_flight = state.pending
             task.cancel()
@@ -190,23 +247,23 @@ class AsyncDocument:
                 run.add(unverified_delivery(state.unverified.tokens))
         elif not task.cancelled() and task.exception() is not None:
             raise task.exception()
-        if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
-            # Unreachable or too slow: the draft completes the suggestion alone.
-            async for delivery in draft_alone(
-                    state, model_proposer(self._drafter, stats, self._drafting), self._stop,
-                    stats):
-                run.add(delivery)
-        return self._suggestion(run, cancelled, kept, stats, t0)
+        return task is self._cancelled  # also by a newer suggest() while we waited
 
     def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
         """The state for the next suggestion, and how many committed tokens it keeps."""
         cfg, client = self.config, self.client
         if self._state is None:
-            adaptive = cfg.follow_suggested_draft_len
+            # A document follows the server's K unless told not to (GenerationConfig).
+            follow = cfg.follow_suggested_draft_len is not False
+            adaptive = cfg.follow_suggested_draft_len is True
+            self._offline = client.info is None
+            limits = (ServerLimits.from_info(client.info) if not self._offline else
+                      ServerLimits(client.model.vocab_size, cfg.draft_len,
+                                   client.model.max_context or _NO_CONTEXT_CAP))
             self._state = GenerationState(
                 ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
-                ServerLimits.from_info(client.info), cfg.draft_len, ROUNDS,
-                follow_suggestion=adaptive, chooser=client.chooser if adaptive else None,
+                limits, cfg.draft_len, ROUNDS,
+                follow_suggestion=follow, chooser=client.chooser if adaptive else None,
                 editable=True)
             return self._state, 0
         state = self._state
@@ -227,6 +284,13 @@ class AsyncDocument:
                 run.add(delivery)
                 if not delivery.verified and run.complete:
                     return  # a whole suggestion from the draft alone: the user has it now
+
+    async def _draft_rest(self, state: GenerationState, stats: GenerationStats,
+                          run: _Run) -> None:
+        async for delivery in draft_alone(
+                state, model_proposer(self._drafter, stats, self._drafting), self._stop,
+                stats):
+            run.add(delivery)
 
     def _suggestion(self, run: _Run, cancelled: bool, kept: int, stats: GenerationStats,
                     t0: float) -> Suggestion:

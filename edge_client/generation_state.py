@@ -152,7 +152,10 @@ class GenerationState:
     def next_k(self) -> int:
         """K for the next round: ours, capped by the server's suggestion and the room left."""
         k = self.draft_len
-        if self.follow_suggestion and self.suggested is not None and not self.cut_by_cost:
+        # With the server's cost, the drafts' confidences choose K (worth_sending), except
+        # for a suggested 0: the drafts keep being rejected, however sure the draft is.
+        if self.follow_suggestion and self.suggested is not None and (
+                not self.cut_by_cost or self.suggested == 0):
             k = min(k, self.suggested)
         return max(0, min(k, self._room()))
 

@@ -133,11 +133,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
                 try:
                     run = mode(self.runner, self.limits, session, reader,
                                params.first_draft).run()
-                    async with contextlib.aclosing(run) as replies, \
-                            contextlib.aclosing(self._guarded(replies, session,
-                                                              context)) as checked:
-                        async for reply in checked:
-                            yield reply
+                    async for reply in self._relay(run, session, context):
+                        yield reply
                 finally:
                     self.runner.close_soon(session)
         finally:
@@ -151,11 +148,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
                                                  current_routing_key())
             session.streamed = True
             try:
-                async with contextlib.aclosing(self._decode(session)) as replies, \
-                        contextlib.aclosing(self._guarded(replies, session,
-                                                          context)) as checked:
-                    async for reply in checked:
-                        yield reply
+                async for reply in self._relay(self._decode(session), session, context):
+                    yield reply
             finally:
                 self.runner.close_soon(session)
 
@@ -191,6 +185,14 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         return SessionExpired(f"session {short_id(session.id)}... sent nothing for its TTL of "
                               f"{self.config.session_ttl_s:g} s and was closed; reopen it "
                               "with its full committed context as the prompt")
+
+    async def _relay(self, replies, session: Session, context):
+        """``replies`` through the stream guard (stalled readers, drain), both closed with
+        the stream."""
+        async with contextlib.aclosing(replies) as replies, \
+                contextlib.aclosing(self._guarded(replies, session, context)) as checked:
+            async for reply in checked:
+                yield reply
 
     def _guarded(self, replies, session: Session, context):
         def on_stall() -> None:

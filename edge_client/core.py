@@ -290,8 +290,6 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
                                        f"no reply within {conn.deadlines.reply_s} s", {})
             name = details.code.name
             stats.lost_attempts[name] = stats.lost_attempts.get(name, 0) + 1
-            if keeper is not None:
-                keeper.lost.set()
             if len(state.committed) > before:
                 backoff.progress()
             log.info("generation interrupted after %d tokens (%s %s: %s); reopening",

@@ -141,13 +141,11 @@ _ANY_STEP = _AnyStep()
 
 class SessionKeeper:
     """One editable session across the suggestions of a document: its routing key, and its
-    stream while one is open. ``lost`` is set whenever an attempt is lost (the draft-only
-    fallback watches it)."""
+    stream while one is open."""
 
     def __init__(self) -> None:
         self.routing_key = new_routing_key()
         self.stream: KeptStream | None = None
-        self.lost = asyncio.Event()
 
     def drop(self) -> None:
         """Ends the stream (its session closes); the next suggestion reopens."""

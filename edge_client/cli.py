@@ -101,8 +101,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
            if args.tls_ca or args.tls_cert else None)
     with verifier_address(args) as address, EdgeClient(
             address, args.draft_dir, api_key=args.api_key, tls=tls, insecure=args.insecure,
-            rtt_ms=args.rtt_ms,
-            protocol=args.protocol, retry=RetryPolicy(budget_s=args.retry_budget_s)) as client:
+            rtt_ms=args.rtt_ms, protocol=args.protocol, fallback=args.fallback,
+            retry=RetryPolicy(budget_s=args.retry_budget_s)) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         chunks = []
         stream = TextStream(client.tokenizer)

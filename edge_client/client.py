@@ -30,10 +30,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
-from edge_client.connection import ClientTls, Connection, Deadlines, RetryPolicy
+from edge_client.connection import Backoff, ClientTls, Connection, Deadlines, RetryPolicy
 from edge_client.core import (
     DRAFT_ONLY,
     FAIL,
@@ -64,10 +65,15 @@ from edge_client.generation_state import (  # noqa: F401 - ProtocolError is API
 from edge_client.link import DelayLink, Link
 from edge_client.rate_chooser import RateChooser
 from edge_client.tokenizer import EdgeTokenizer, TextStream
+from shared.errors import ErrorDetails
 from shared.paths import default_draft_dir
 from shared.pb import verifier_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# The context a draft without a position limit may draft in while no verifier has said its
+# own (the verifier's max_context replaces it when it answers).
+NO_CONTEXT_CAP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,30 @@ class AsyncEdgeClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def limits(self, draft_len: int) -> ServerLimits:
+        """The verifier's limits; while none has answered (a draft-only start), the draft's
+        own, which the verifier's replace when it does."""
+        if self.info is not None:
+            return ServerLimits.from_info(self.info)
+        return ServerLimits(self.model.vocab_size, draft_len,
+                            self.model.max_context or NO_CONTEXT_CAP)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The verifier's end-of-sequence tokens, or the draft tokenizer's before it answers."""
+        return tuple(self.info.eos_token_ids if self.info is not None
+                     else self.tokenizer.eos_token_ids)
+
+    async def reach_verifier(self) -> bool:
+        """Whether the client has its verifier. One that came up without it asks again;
+        False while it is unreachable."""
+        if self.info is None:
+            try:
+                await self.refresh_info()
+            except VerifierUnavailable:
+                return False
+        return True
+
     def prompt_ids(self, prompt: str | list[int], chat: bool) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode_chat(prompt) if chat else self.tokenizer.encode(prompt)
@@ -206,11 +236,7 @@ class AsyncEdgeClient:
                  chat: bool = True, routing_key: str | None = None) -> AsyncGeneration:
         """``prompt`` is text (wrapped in the chat template when ``chat``) or token ids.
         ``routing_key``: see ``edge_client.core.generate`` (None: a fresh one)."""
-        if self.info is None:
-            if self.fallback == DRAFT_ONLY:
-                raise VerifierUnavailable(
-                    f"the verifier at {self.conn.address} was unreachable at connect(); "
-                    "call refresh_info() when it serves (documents suggest without it)")
+        if self.info is None and self.fallback != DRAFT_ONLY:
             raise RuntimeError("call connect() (or use `async with`) before generate()")
         return AsyncGeneration(self, self.prompt_ids(prompt, chat), config, routing_key)
 
@@ -265,9 +291,11 @@ class AsyncGeneration:
 
     async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
+        if not await client.reach_verifier() and cfg.fallback != DRAFT_ONLY:
+            raise VerifierUnavailable(f"the verifier at {client.conn.address} is unreachable")
         adaptive = cfg.follow_suggested_draft_len is True
         state = GenerationState(self.prompt_ids, cfg.session_params(),
-                                ServerLimits.from_info(client.info), cfg.draft_len,
+                                client.limits(cfg.draft_len), cfg.draft_len,
                                 client.protocol, follow_suggestion=adaptive,
                                 chooser=client.chooser if adaptive else None)
         drafter = make_drafter(cfg.drafter, client.model,
@@ -278,9 +306,7 @@ class AsyncGeneration:
         propose = model_proposer(drafter, self.stats)
         deadline = None if cfg.budget_ms is None else (
             asyncio.get_running_loop().time() + cfg.budget_ms / 1000)
-        async with contextlib.aclosing(generate(
-                client.conn, state, propose, self.stats, client.info, rng,
-                self.routing_key, fallback=cfg.fallback)) as deliveries:
+        async with contextlib.aclosing(self._phases(state, propose, rng)) as deliveries:
             while True:
                 try:
                     # The budget bounds the waits for the core only, never the caller's
@@ -304,10 +330,38 @@ class AsyncGeneration:
                 yield delivery
         self.stats.unverified_tokens = state.num_unverified
 
+    async def _phases(self, state: GenerationState, propose,
+                      rng: np.random.Generator) -> AsyncIterator[Delivery]:
+        """Without a verifier yet (a draft-only start): the draft alone, unverified, while
+        the client asks for one with back-off; then the core, whose first rounds verify what
+        the draft proposed alone."""
+        client = self.client
+        if client.info is None:
+            async for delivery in draft_alone(state, propose, self._stop_ids(), self.stats):
+                yield delivery
+            backoff = Backoff(client.conn.retry, rng)
+            away = ErrorDetails(grpc.StatusCode.UNAVAILABLE, None, None,
+                                f"the verifier at {client.conn.address} is unreachable", {})
+            while not await client.reach_verifier():
+                try:
+                    await backoff.wait(away)
+                except VerifierUnavailable:
+                    log.warning("the verifier stayed away; %d tokens stay unverified",
+                                state.num_unverified)
+                    self.stats.unverified_tokens = state.num_unverified
+                    return
+            self.stats.backoff_s += backoff.waited_s
+            state.limits = client.limits(self.config.draft_len)
+        async with contextlib.aclosing(generate(
+                client.conn, state, propose, self.stats, client.info, rng,
+                self.routing_key, fallback=self.config.fallback)) as deliveries:
+            async for delivery in deliveries:
+                yield delivery
+
     def _stop_ids(self) -> frozenset[int]:
         cfg = self.config
-        return frozenset(cfg.stop_token_ids or (
-            () if cfg.ignore_eos else self.client.info.eos_token_ids))
+        return frozenset(cfg.stop_token_ids or (() if cfg.ignore_eos else
+                                                self.client.eos_token_ids))
 
     async def text(self) -> AsyncIterator[str]:
         stream = TextStream(self.client.tokenizer)

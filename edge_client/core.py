@@ -310,7 +310,7 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
             state.reopens += 1
             stats.reopens += 1
     finally:
-        stats.backoff_s = backoff.waited_s
+        stats.backoff_s += backoff.waited_s
         stats.wall_s = time.perf_counter() - started
         stats.unverified_tokens = state.num_unverified
 

@@ -58,16 +58,11 @@ from edge_client.core import (
 )
 from edge_client.drafter import DraftSampling
 from edge_client.errors import VerifierUnavailable
-from edge_client.generation_state import ROUNDS, GenerationState, ServerLimits
+from edge_client.generation_state import ROUNDS, GenerationState
 from edge_client.session_streams import SessionKeeper
 
 if TYPE_CHECKING:
     from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
-
-# The context a draft without a position limit may suggest in while no verifier has said
-# its own (the verifier's max_context replaces it when it answers).
-_NO_CONTEXT_CAP = 1 << 20
-
 
 @dataclass(frozen=True)
 class SuggestionStats:
@@ -129,9 +124,8 @@ class AsyncDocument:
 
     @property
     def _stop(self) -> frozenset[int]:
-        eos = (self.client.info.eos_token_ids if self.client.info is not None
-               else self.client.tokenizer.eos_token_ids)
-        return frozenset(self.config.stop_token_ids or (() if self.config.ignore_eos else eos))
+        return frozenset(self.config.stop_token_ids or (
+            () if self.config.ignore_eos else self.client.eos_token_ids))
 
     @property
     def committed_ids(self) -> list[int]:
@@ -217,15 +211,13 @@ class AsyncDocument:
         the document's state takes its limits. Unreachable: False with the draft-only
         fallback, else VerifierUnavailable."""
         client = self.client
-        if client.info is None:
-            try:
-                await client.refresh_info()
-            except VerifierUnavailable:
-                if self.config.fallback != DRAFT_ONLY:
-                    raise
-                return False
+        if not await client.reach_verifier():
+            if self.config.fallback != DRAFT_ONLY:
+                raise VerifierUnavailable(f"the verifier at {client.conn.address} is "
+                                          "unreachable")
+            return False
         if self._offline and self._state is not None:
-            self._state.limits = ServerLimits.from_info(client.info)
+            self._state.limits = client.limits(self.config.draft_len)
             self._offline = False
         return True
 
@@ -257,12 +249,9 @@ class AsyncDocument:
             follow = cfg.follow_suggested_draft_len is not False
             adaptive = cfg.follow_suggested_draft_len is True
             self._offline = client.info is None
-            limits = (ServerLimits.from_info(client.info) if not self._offline else
-                      ServerLimits(client.model.vocab_size, cfg.draft_len,
-                                   client.model.max_context or _NO_CONTEXT_CAP))
             self._state = GenerationState(
                 ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
-                limits, cfg.draft_len, ROUNDS,
+                client.limits(cfg.draft_len), cfg.draft_len, ROUNDS,
                 follow_suggestion=follow, chooser=client.chooser if adaptive else None,
                 editable=True)
             return self._state, 0

@@ -216,9 +216,12 @@ def generation_config(mode: str, draft_len: int, fallback: bool) -> GenerationCo
 def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
               intra_op_threads: int | None) -> Mode:
-    client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,
-                             retry=retry, intra_op_threads=intra_op_threads)
     config = generation_config(name, draft_len, fallback)
+    # The client's fallback too: a typist whose verifier is down at the start still gets
+    # (unverified) suggestions.
+    client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,
+                             retry=retry, intra_op_threads=intra_op_threads,
+                             fallback=config.fallback)
     if name == "edit":
         return EditMode(name, client, config, budget_ms)
     return ReopenMode(name, client, config)

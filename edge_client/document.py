@@ -17,17 +17,18 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   stops the one in flight at once: its ``suggest`` *returns* a Suggestion with
   ``cancelled=True`` and the verified tokens it had (it does not raise). The verifier drops
   the suggestion's work that has not reached a forward; the session stays open.
-- **Budget.** With ``budget_ms`` (per call, or ``GenerationConfig.budget_ms``), a suggestion
-  returns when the budget is spent with the verified tokens it has, plus, as
-  ``unverified_ids``, the drafts that were on their way to the verifier.
+- **Budget.** With ``budget_ms`` (per call, or ``GenerationConfig.budget_ms``), counted from
+  the ``suggest`` call (stopping the suggestion in flight included), a suggestion returns
+  when the budget is spent with the verified tokens it has, plus, as ``unverified_ids``, the
+  drafts that were on their way to the verifier; the draft does not go on past the budget
+  (it drafts one round alone only when the suggestion would otherwise be empty).
 - **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
-  is unreachable, or that has no verified token when the budget is spent, is completed by the
-  draft alone, marked unverified. The next suggestion over the same text (or a text that
-  took some of those tokens) sends the rest of them first, as drafts: the verifier verifies
-  them, and ``stats.replaced_tokens`` says how many it replaced. A client made with
-  ``fallback="draft-only"`` comes up without a verifier it cannot reach: its documents
-  suggest with the draft alone, and the first suggestion that reaches one checks its
-  tokenizer (IncompatibleVerifier) before verifying them.
+  is unreachable is completed by the draft alone, marked unverified. The next suggestion
+  over the same text (or a text that took some of those tokens) sends the rest of them
+  first, as drafts: the verifier verifies them, and ``stats.replaced_tokens`` says how many
+  it replaced. A client made with ``fallback="draft-only"`` comes up without a verifier it
+  cannot reach: its documents suggest with the draft alone, and the first suggestion that
+  reaches one checks its tokenizer (IncompatibleVerifier) before verifying them.
 - **Acceptance collapse.** A document follows the verifier's ``suggested_draft_len`` unless
   ``follow_suggested_draft_len=False``: when its drafts keep being rejected it sends a
   Decode instead of drafts, until drafting pays again.
@@ -186,15 +187,21 @@ class AsyncDocument:
         state, kept = self._edit(ids, max_new_tokens)
         stats = GenerationStats()
         run = _Run(state)
+        deadline = None if budget_ms is None else t0 + budget_ms / 1000
+        spent = False
         if online:
-            cancelled = await self._verified(state, stats, run, budget_ms)
+            cancelled, spent = await self._verified(state, stats, run, deadline)
         else:  # the client came up without its verifier: the draft suggests alone
             cancelled = False
-        if self.config.fallback == DRAFT_ONLY and not cancelled and not run.complete:
-            # Unreachable or too slow: the draft completes the suggestion alone. It is the
-            # suggestion in flight until it returns, so that a newer suggest() stops it before
-            # editing the state it is drafting on.
-            task = self._task = asyncio.ensure_future(self._draft_rest(state, stats, run))
+        # Past the budget the draft only fills a suggestion that would be empty, one round.
+        rest = not spent or not (run.verified or run.unverified)
+        if (self.config.fallback == DRAFT_ONLY or spent) and rest and not cancelled \
+                and not run.complete:
+            # Unreachable (or an empty suggestion past its budget): the draft completes the
+            # suggestion alone. It is the suggestion in flight until it returns, so that a
+            # newer suggest() stops it before editing the state it is drafting on.
+            task = self._task = asyncio.ensure_future(
+                self._draft_rest(state, stats, run, one_round=spent))
             try:
                 await asyncio.wait([task])
             except asyncio.CancelledError:
@@ -222,15 +229,18 @@ class AsyncDocument:
         return True
 
     async def _verified(self, state: GenerationState, stats: GenerationStats, run: _Run,
-                        budget_ms: float | None) -> bool:
-        """Runs the suggestion against the verifier; whether it was cancelled."""
+                        deadline: float | None) -> tuple[bool, bool]:
+        """Runs the suggestion against the verifier until ``deadline`` (perf_counter time;
+        None: none); whether it was cancelled, and whether the budget was spent."""
         task = self._task = asyncio.ensure_future(self._run(state, stats, run))
         try:
-            await asyncio.wait([task], timeout=None if budget_ms is None else budget_ms / 1000)
+            await asyncio.wait([task], timeout=None if deadline is None else
+                               max(0.0, deadline - time.perf_counter()))
         except asyncio.CancelledError:  # our caller went away: so does the suggestion
             task.cancel()
             raise
-        if not task.done():  # the budget is spent: the drafts on their way come unverified
+        spent = not task.done()
+        if spent:  # the budget is spent: the drafts on their way come unverified
             in_flight = state.pending
             task.cancel()
             await asyncio.wait([task])
@@ -239,7 +249,7 @@ class AsyncDocument:
                 run.add(unverified_delivery(state.unverified.tokens))
         elif not task.cancelled() and task.exception() is not None:
             raise task.exception()
-        return task is self._cancelled  # also by a newer suggest() while we waited
+        return task is self._cancelled, spent  # cancelled also by a newer suggest()
 
     def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
         """The state for the next suggestion, and how many committed tokens it keeps."""
@@ -275,11 +285,13 @@ class AsyncDocument:
                     return  # a whole suggestion from the draft alone: the user has it now
 
     async def _draft_rest(self, state: GenerationState, stats: GenerationStats,
-                          run: _Run) -> None:
+                          run: _Run, one_round: bool = False) -> None:
         async for delivery in draft_alone(
                 state, model_proposer(self._drafter, stats, self._drafting), self._stop,
                 stats):
             run.add(delivery)
+            if one_round:
+                return
 
     def _suggestion(self, run: _Run, cancelled: bool, kept: int, stats: GenerationStats,
                     t0: float) -> Suggestion:

@@ -102,11 +102,45 @@ def test_a_suggestion_cancelled_before_its_open_left_reopens_with_an_open(
     assert after.stats.reopens == 0
 
 
-def test_a_new_suggest_stops_the_draft_only_completion_in_flight(verifier, tiny_llama_pair,
-                                                                 target):
-    """A suggestion whose budget was spent is completed by the draft alone; a keystroke
+def test_a_new_suggest_stops_the_draft_only_completion_in_flight(target, tiny_llama_pair):
+    """A suggestion with its verifier away is completed by the draft alone; a keystroke
     then must stop that completion too (it returns cancelled) before the next suggestion
-    edits the state it drafts on, and the next suggestion is the target's own."""
+    edits the state it drafts on, and the next suggestion, the verifier back, is the
+    target's own."""
+    port = free_port()
+    cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only")
+
+    async def run():
+        async with AsyncEdgeClient(f"127.0.0.1:{port}", tiny_llama_pair.draft_dir,
+                                   fallback="draft-only",
+                                   retry=RetryPolicy(budget_s=1.0)) as client:
+            async with client.document(cfg) as doc:
+                drafter = doc._drafter = HeldDrafter(doc._drafter)
+                drafter.hold.set()  # the draft-only completion's proposal waits
+                older = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=8))
+                await asyncio.to_thread(drafter.held.wait, 30)
+                verifier = await asyncio.to_thread(
+                    EmbeddedVerifier(target, VerifierConfig(port=port)).__enter__)
+                try:
+                    await client.conn.channel.channel_ready()
+                    newer = asyncio.ensure_future(doc.suggest(PROMPT + [9], max_new_tokens=4))
+                    await asyncio.sleep(0)  # one turn of the loop: the newer one starts
+                    drafter.go.set()
+                    return await older, await newer
+                finally:
+                    await asyncio.to_thread(verifier.__exit__, None, None, None)
+
+    older, newer = asyncio.run(run())
+    assert older.cancelled
+    assert not newer.cancelled and newer.token_ids == hf_greedy(target, PROMPT + [9], 4)
+    assert newer.unverified_ids == []
+
+
+def test_a_budget_ends_the_suggestion_without_drafting_past_it(verifier, tiny_llama_pair):
+    """With the draft-only fallback, a suggestion whose budget is spent while its drafts
+    are on their way returns them, unverified, and the draft does not go on alone past the
+    budget: the round's 3 drafts, not the 8 tokens asked for (the held open would hang a
+    suggestion that waited for it)."""
     link = HeldLink()
     cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only")
 
@@ -114,23 +148,14 @@ def test_a_new_suggest_stops_the_draft_only_completion_in_flight(verifier, tiny_
         async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,
                                    link=link) as client:
             async with client.document(cfg) as doc:
-                drafter = doc._drafter = HeldDrafter(doc._drafter)
                 link.hold.set()  # the open never arrives in time: the budget is spent
-                older = asyncio.ensure_future(doc.suggest(PROMPT, max_new_tokens=8,
-                                                          budget_ms=50))
-                await asyncio.wait_for(link.held.wait(), 30)
-                drafter.hold.set()  # the draft-only completion's proposal waits
-                await asyncio.to_thread(drafter.held.wait, 30)
-                newer = asyncio.ensure_future(doc.suggest(PROMPT + [9], max_new_tokens=4))
-                await asyncio.sleep(0)  # one turn of the loop: the newer one starts
-                drafter.go.set()
-                link.go.set()
-                return await older, await newer
+                try:
+                    return await doc.suggest(PROMPT, max_new_tokens=8, budget_ms=50)
+                finally:
+                    link.go.set()
 
-    older, newer = asyncio.run(run())
-    assert older.cancelled
-    assert not newer.cancelled and newer.token_ids == hf_greedy(target, PROMPT + [9], 4)
-    assert newer.unverified_ids == []
+    s = asyncio.run(run())
+    assert s.token_ids == [] and len(s.unverified_ids) == 3 and not s.cancelled
 
 
 def test_draft_only_document_comes_up_without_its_verifier(target, tiny_llama_pair):

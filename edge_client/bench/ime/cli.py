@@ -55,6 +55,10 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
                    help="edit sessions while the verifier is away")
     p.add_argument("--budget-ms", type=float, default=None,
                    help="edit sessions' latency budget per suggestion (default: none)")
+    p.add_argument("--no-follow-suggested-k", action="store_true",
+                   help="edit sessions draft K every round instead of following the "
+                        "verifier's suggested K (which is 0, plain decoding, when drafting "
+                        "does not pay)")
     p.add_argument("--no-outage", action="store_true", help="skip the outage drill")
     p.add_argument("--outage-modes", nargs="+", choices=MODE_NAMES, default=None,
                    help="the modes the drill runs for (default: every mode measured)")
@@ -88,6 +92,7 @@ def cmd_ime(args: argparse.Namespace) -> int:
         config = ImeConfig(modes=modes, profile=args.profile, duration_s=args.duration,
                            seed=args.seed, draft_len=args.draft_len,
                            fallback=args.fallback == "draft-only", budget_ms=args.budget_ms,
+                           follow_suggested_k=not args.no_follow_suggested_k,
                            drill=not args.no_outage,
                            drill_modes=tuple(args.outage_modes) if args.outage_modes else None,
                            outage_after_s=args.outage_after,

@@ -204,10 +204,14 @@ class EditMode(Mode):
             await document.__aexit__(None, None, None)
 
 
-def generation_config(mode: str, draft_len: int, fallback: bool) -> GenerationConfig:
+def generation_config(mode: str, draft_len: int, fallback: bool,
+                      follow_suggested_k: bool = True) -> GenerationConfig:
     """Greedy suggestions (an IME shows the target's most likely continuation). Edit
-    sessions fall back to the draft alone when the verifier is away, if asked to."""
-    config = GenerationConfig(max_new_tokens=12, draft_len=draft_len)
+    sessions fall back to the draft alone when the verifier is away, if asked to, and
+    follow the verifier's suggested K unless told not to (then they draft K every round,
+    as the other modes do)."""
+    config = GenerationConfig(max_new_tokens=12, draft_len=draft_len,
+                              follow_suggested_draft_len=None if follow_suggested_k else False)
     if mode == "edit" and fallback:
         config = replace(config, fallback="draft-only")
     return config
@@ -215,8 +219,8 @@ def generation_config(mode: str, draft_len: int, fallback: bool) -> GenerationCo
 
 def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
-              intra_op_threads: int | None) -> Mode:
-    config = generation_config(name, draft_len, fallback)
+              intra_op_threads: int | None, follow_suggested_k: bool = True) -> Mode:
+    config = generation_config(name, draft_len, fallback, follow_suggested_k)
     # The client's fallback too: a typist whose verifier is down at the start still gets
     # (unverified) suggestions.
     client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,

@@ -50,6 +50,8 @@ class ImeConfig:
     draft_len: int = 4
     fallback: bool = True  # edit sessions: draft-only suggestions while the verifier is away
     budget_ms: float | None = None  # edit sessions' latency budget
+    # Edit sessions follow the verifier's suggested K (0 under acceptance collapse: Decode).
+    follow_suggested_k: bool = True
     drill: bool = True
     drill_modes: tuple[str, ...] | None = None  # the modes the drill runs for (None: all)
     outage_after_s: float = 3.0
@@ -208,7 +210,8 @@ async def run_ime(verifier: VerifierHandle, draft_dir: Path | None, cfg: ImeConf
         for i, name in enumerate(cfg.modes):
             link = NetEmLink(NetEm(profile(cfg.profile), np.random.default_rng([cfg.seed, i])))
             mode = make_mode(name, verifier.address, draft_dir, link, retry, cfg.draft_len,
-                             cfg.fallback, cfg.budget_ms, cfg.draft_threads)
+                             cfg.fallback, cfg.budget_ms, cfg.draft_threads,
+                             cfg.follow_suggested_k)
             modes.append(mode)
             await mode.client.connect()
         for mode in modes:

@@ -147,31 +147,45 @@ def _mean(values: list[float]) -> float | None:
 
 
 def target_greedy_path(target, prompt: list[int], max_new_tokens: int,
-                       stop_ids: frozenset[int]) -> tuple[list[int], torch.Tensor, list[float]]:
+                       stop_ids: frozenset[int], features: list | None = None,
+                       ) -> tuple[list[int], torch.Tensor, list[float]]:
     """The target's greedy continuation, one cached step per token.
 
     Returns (path [n], logits [n, V] float32 where row t is the distribution of path[t],
-    seconds of each 1-token step after the prefill).
+    seconds of each 1-token step after the prefill). With ``features`` (a list), appends
+    row t's final hidden state (after the final norm: what the LM head read to decide
+    path[t]), float32 [H] numpy, for the feature head's evaluation.
     """
     from transformers import DynamicCache
 
     cache = DynamicCache()
     feed, path, rows, steps = list(prompt), [], [], []
-    for step in range(max_new_tokens):
-        ids = torch.tensor([feed], dtype=torch.long, device=target.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = target.model(input_ids=ids, past_key_values=cache, use_cache=True,
-                               logits_to_keep=1)
-        row = out.logits[0, -1].float().cpu()  # [V]
-        if step > 0:
-            steps.append(time.perf_counter() - t0)
-        token = int(row.argmax())
-        path.append(token)
-        rows.append(row)
-        if token in stop_ids:
-            break
-        feed = [token]
+    captured: list[torch.Tensor] = []
+    hook = None
+    if features is not None:
+        hook = target.model.model.norm.register_forward_hook(
+            lambda _m, _i, out: captured.append(out[0, -1].detach()))
+    try:
+        for step in range(max_new_tokens):
+            ids = torch.tensor([feed], dtype=torch.long, device=target.device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1)
+            row = out.logits[0, -1].float().cpu()  # [V]
+            if step > 0:
+                steps.append(time.perf_counter() - t0)
+            token = int(row.argmax())
+            path.append(token)
+            rows.append(row)
+            if token in stop_ids:
+                break
+            feed = [token]
+    finally:
+        if hook is not None:
+            hook.remove()
+    if features is not None:
+        features.extend(f.float().cpu().numpy() for f in captured)
     return path, torch.stack(rows), steps
 
 

@@ -1,0 +1,40 @@
+"""The feature-head acceptance bench's counting (edge_client.bench.feature_acceptance)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.bench.feature_acceptance import accept_at, accept_sparse, replay
+
+PATH = [5, 6, 7, 8, 9, 10, 11]
+
+
+def test_perfect_drafts_commit_k_plus_one_tokens_a_round():
+    c = replay(lambda t, n: PATH[t:t + n], PATH, k=2)
+    # 7 tokens: rounds of 3, 3, then 1 (no drafts judged past the end)
+    assert (c.rounds, c.tokens, c.accepted, c.judged) == (3, 7, 5, 5)
+    assert c.summary()["greedy_alpha"] == 1.0
+
+
+def test_a_round_judges_up_to_its_first_rejection():
+    # Drafts right once, then wrong: each round accepts 1 and judges 2.
+    c = replay(lambda t, n: [PATH[t], -1][:n], PATH, k=3)
+    assert c.rounds == 4 and c.tokens == 7
+    assert c.accepted == 3 + 1 and c.judged == 2 * 3 + 1  # the last round: 1 draft, right
+
+
+def test_a_start_counts_only_the_later_rounds():
+    c = replay(lambda t, n: [-1] * n, PATH, k=4, start=1)
+    assert c.rounds == 6 and c.tokens == 6 and c.accepted == 0 and c.judged == 6
+
+
+def test_acceptance_at_temperature_is_one_minus_tv():
+    p = np.array([2.0, 1.0, 0.0])
+    assert accept_at(p, p, 0.7) == pytest.approx(1.0)
+    q = np.array([0.0, 1.0, 2.0])
+    sp = np.exp(p / 0.7) / np.exp(p / 0.7).sum()
+    sq = np.exp(q / 0.7) / np.exp(q / 0.7).sum()
+    assert accept_at(p, q, 0.7) == pytest.approx(1 - 0.5 * np.abs(sp - sq).sum())
+    assert accept_sparse(p, (np.array([1, 2]), sq[1:] / sq[1:].sum()), 0.7) == pytest.approx(
+        min(sp[1], sq[1] / sq[1:].sum()) + min(sp[2], sq[2] / sq[1:].sum()))

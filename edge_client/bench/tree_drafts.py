@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 
 MAX_RANK = 8  # ranks at or past this are one bucket: no shape here branches that wide
 MAX_BRANCH = 4  # the widest per-node draw the sampled estimate computes
+MAX_CHAIN = 8  # chains of 1..8 drafts are all compared, besides one chain per budget
+MAX_CHECKED_NODES = 16  # larger trees are not re-drafted for the check (slow, same code)
 
 
 def shapes_for(budget: int, rank_probs: list[float]) -> list[ts.Shape]:
@@ -338,7 +340,9 @@ def run(args: argparse.Namespace) -> dict:
     positions = sum(hist.values())
     rank_probs = [hist[r] / positions for r in range(MAX_RANK)]  # rank MAX_RANK: beyond
     shapes = {b: shapes_for(b, rank_probs) for b in args.budgets}
-    chains = [ts.chain(k) for k in range(1, max(args.budgets) + 1)]
+    chains = list(dict.fromkeys([ts.chain(k) for k in range(1, min(max(args.budgets),
+                                                                   MAX_CHAIN) + 1)]
+                                + [ts.chain(b) for b in args.budgets]))
     every = list(dict.fromkeys(chains + [s for b in args.budgets for s in shapes[b]]))
 
     # Tallies per (category, shape): [rounds, path tokens, full rounds, full tokens, forwards]
@@ -351,7 +355,7 @@ def run(args: argparse.Namespace) -> dict:
                 drafter = PathDrafter(len(ids), path, np.where(ranks == 0, path, -1))
                 same = replay_greedy_rounds(drafter, ids, path, len(shape), n_new)
                 assert same.rounds == count.rounds, (index, ts.name(shape))
-            elif index < args.check_prompts:
+            elif index < args.check_prompts and len(shape) <= MAX_CHECKED_NODES:
                 real = replay_drafted_tree(model, ids, path, shape, n_new)
                 assert real == count.rounds, (index, ts.name(shape), real, count.rounds)
                 checked += 1
@@ -365,12 +369,12 @@ def run(args: argparse.Namespace) -> dict:
         rounds, tokens, *_ = tally[key, shape]
         return tokens / rounds
 
-    # Verify cost at each R: the chain of R - 1, and the best tree of R - 1 nodes for the mask
-    # (a mask's cost does not depend on which tree it encodes; its rows do).
+    # Verify cost at each R measured: the chain of R - 1, and the best tree of R - 1 nodes for
+    # the mask (a mask's cost does not depend on which tree it encodes; its rows do).
     gen = torch.Generator().manual_seed(0)
     context = (traces[0][1] + traces[0][2]) * (1 + args.context // 8)
     context = context[:args.context]
-    trees = {k + 1: ts.best_tree(k, rank_probs) for k in range(max(args.budgets) + 1)}
+    trees = {len(s) + 1: ts.best_tree(len(s), rank_probs) for s in [()] + every}
     timing = time_forwards(target, context, trees, args.repeats, gen)
     check_shape = shapes[max(args.budgets)][-1]
     check_tokens = torch.randint(0, target.vocab_size, (len(check_shape) + 1,),
@@ -419,6 +423,8 @@ def run(args: argparse.Namespace) -> dict:
         "verify_ms": {kind: {str(r): ms for r, ms in by_r.items()}
                       for kind, by_r in timing.items()},
         "shapes": results,
+        # What a later replay of other shapes needs, without the target or the draft.
+        "paths": [{"category": c, "ranks": ranks.tolist()} for c, _, _, ranks, _ in traces],
     }
     if args.sampled:
         alphas = np.concatenate([s for *_, s in traces]).mean(0)

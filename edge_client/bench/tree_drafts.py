@@ -1,7 +1,9 @@
 """Do token-tree drafts pay against chains here? (issue 17, item 4). An offline measurement.
 
-    python -m edge_client.bench.tree_drafts --per-category 4 --max-new-tokens 48 \\
-        --budgets 4 6 8 --repeats 15 --json PATH
+    python -m edge_client.bench.tree_drafts --per-category 6 --max-new-tokens 48 \\
+        --budgets 4 6 8 16 32 --repeats 15 --check-prompts 2 --sampled --json PATH
+
+(the run in docs/benchmarks.md; the decision it supports is in docs/tree-drafts.md).
 
 Two halves, both at equal verified rows (n draft nodes + the root = n + 1 rows, tree or chain):
 
@@ -383,6 +385,7 @@ def run(args: argparse.Namespace) -> dict:
                                      check_tokens, check_shape)
 
     categories = list(dict.fromkeys(c for c, *_ in traces))
+    alphas = np.concatenate([s for *_, s in traces]).mean(0).tolist() if args.sampled else None
     results = []
     for shape in every:
         r = len(shape) + 1
@@ -401,12 +404,10 @@ def run(args: argparse.Namespace) -> dict:
             "tokens_per_verify_s": 1e3 * tpr / timing[kind][r],
             "tokens_per_packed_s": 1e3 * tpr / timing["packed_chain"][r],
         }
-        if args.sampled:
-            branches = ts.branches_of(shape)
-            if branches is not None and max(branches) <= MAX_BRANCH:
-                alphas = np.concatenate([s for *_, s in traces]).mean(0).tolist()
-                entry["sampled_expected_tokens_per_round"] = expected_tokens_per_depth(
-                    alphas, branches)
+        branches = ts.branches_of(shape)
+        if alphas is not None and branches is not None and max(branches) <= MAX_BRANCH:
+            entry["sampled_expected_tokens_per_round"] = expected_tokens_per_depth(alphas,
+                                                                                  branches)
         results.append(entry)
     report = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
@@ -426,9 +427,8 @@ def run(args: argparse.Namespace) -> dict:
         # What a later replay of other shapes needs, without the target or the draft.
         "paths": [{"category": c, "ranks": ranks.tolist()} for c, _, _, ranks, _ in traces],
     }
-    if args.sampled:
-        alphas = np.concatenate([s for *_, s in traces]).mean(0)
-        report["sampled_multi_draft_alpha"] = alphas.tolist()
+    if alphas is not None:
+        report["sampled_multi_draft_alpha"] = alphas
     report["decision"] = _decide(results)
     report["wall_s"] = time.perf_counter() - t_start
     return report

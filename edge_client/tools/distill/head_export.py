@@ -50,6 +50,30 @@ class HeadExportConfig:
     measure_target: bool = True
 
 
+def head_metadata(shape: TargetShape, vmap, fingerprint: str, codec: str, max_chain: int,
+                  target_name: str, trained_chain_len: int) -> dict:
+    """``feature_head.json``: what the runtime (``edge_client.feature_draft``) checks and
+    needs."""
+    return {
+        "kind": "feature-head",
+        "format": 1,
+        "feature_layer": FEATURE_LAYER,
+        "hidden_size": shape.hidden,
+        "feature_dtype": codec,  # a shared.feature_codec name
+        "target_fingerprint": fingerprint,
+        "target": target_name,
+        "vocab_size": vmap.full_vocab_size,
+        "sub_vocab": vmap.size,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "max_chain": max_chain,
+        "trained_chain_len": trained_chain_len,
+        "inputs": list(INPUTS),
+        "outputs": list(OUTPUTS),
+        "opset": OPSET,
+    }
+
+
 def export_onnx(head, path: Path) -> None:
     """The torch head as an fp32 ONNX graph with dynamic batch, step and cache lengths."""
     import torch
@@ -101,24 +125,8 @@ def export_head(cfg: HeadExportConfig) -> dict:
         fp32_dir = run / "onnx-fp32"
         fp32_dir.mkdir(exist_ok=True)
         export_onnx(head, fp32_dir / "model.onnx")
-        meta = {
-            "kind": "feature-head",
-            "format": 1,
-            "feature_layer": FEATURE_LAYER,
-            "hidden_size": shape.hidden,
-            "feature_dtype": codec,  # a shared.feature_codec name
-            "target_fingerprint": fingerprint,
-            "target": target_dir.name,
-            "vocab_size": vmap.full_vocab_size,
-            "sub_vocab": vmap.size,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "max_chain": saved["arch"]["max_chain"],
-            "trained_chain_len": ck["train_config"]["chain_len"],
-            "inputs": list(INPUTS),
-            "outputs": list(OUTPUTS),
-            "opset": OPSET,
-        }
+        meta = head_metadata(shape, vmap, fingerprint, codec, saved["arch"]["max_chain"],
+                             target_dir.name, ck["train_config"]["chain_len"])
         for d in (fp32_dir, staged):
             write_json(d / "feature_head.json", meta)
             vmap.save(d / VOCAB_MAP_FILE)

@@ -252,3 +252,43 @@ def test_sampled_feature_drafts_follow_the_target_distribution(verifier, tiny_ll
     bound = 6 * np.sqrt(n * joint * (1 - joint)) + 5
     worst = np.max(np.abs(counts - expected) - bound)
     assert worst <= 0, f"a bin is off by {worst:.1f} beyond its bound"
+
+
+def _batching_run(target, batched: bool, features: bool) -> tuple[list, list]:
+    """test_batching's 8 sessions of mixed lengths and K, sampled, the even ones asking for
+    features: (committed per session, per round the decoded features of the askers)."""
+    from test_batching import DRAFT_LENGTHS, ROUNDS, drafts_for, prompt
+
+    from cloud_verifier.engine import VerifierEngine
+    from cloud_verifier.features import feature_serving
+    from cloud_verifier.sessions import SessionStore
+
+    serving = feature_serving(target.model, "fp16", packed=True) if features else None
+    engine = VerifierEngine(target.model, target.vocab_size, target.max_context,
+                            features=serving)
+    store = SessionStore(max_sessions=8, ttl_s=60, on_close=engine.release)
+    sessions = [store.create("me", SamplingParams(1.0, 20, 1.0, seed=i),
+                             prompt(i, target.vocab_size), 0, frozenset()) for i in range(8)]
+    for i, s in enumerate(sessions):
+        s.want_feature = i % 2 == 0
+    got = []
+    for _ in range(ROUNDS):
+        rounds = [(s, drafts_for(s.committed, DRAFT_LENGTHS[i], target.vocab_size, True))
+                  for i, s in enumerate(sessions)]
+        outcomes = engine.run_batch(rounds) if batched else [engine.run_round(s, d)
+                                                             for s, d in rounds]
+        for i, o in enumerate(outcomes):
+            assert (o.feature is not None) == (features and i % 2 == 0)
+            if o.feature is not None:
+                assert o.feature_position == len(sessions[i].committed) - 1
+                got.append(codec_named("fp16").decode(o.feature.values, o.feature.scales, 32))
+    return [s.committed for s in sessions], got
+
+
+def test_features_change_no_output_and_batched_equals_one_at_a_time(target):
+    committed, batched = _batching_run(target, batched=True, features=True)
+    alone_committed, alone = _batching_run(target, batched=False, features=True)
+    assert committed == alone_committed == _batching_run(target, True, False)[0]
+    assert len(batched) == len(alone) == 4 * 6
+    for a, b in zip(batched, alone, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)

@@ -81,14 +81,19 @@ class FeatureDrafter:
     def propose(self, committed: list[int], k: int) -> Proposal:
         latest = self.latest()
         if k == 0:
-            return Proposal([], None)
+            return self._nothing()
         if latest is None or latest.position >= len(committed):
             self.featureless_rounds += 1
-            return Proposal([], None)
+            return self._nothing()
         tail = committed[latest.position:]
         k = min(k, self.head.max_chain - len(tail) + 1)
         if k < 1:
             self.featureless_rounds += 1
-            return Proposal([], None)
+            return self._nothing()
         self.feature_rounds += 1
         return self.head.propose(latest.feature, tail, k, self.sampling, self.rng)
+
+    def _nothing(self) -> Proposal:
+        """No drafts, of the same kind as this drafter's (greedy ones carry confidences), so
+        that a K = 0 round does not change how the client cuts the next ones."""
+        return Proposal([], None, [] if self.sampling.is_greedy else None)

@@ -9,6 +9,7 @@ from pathlib import Path
 from cloud_verifier.draft_policy import DEFAULT_SESSION_COST, DEFAULT_TOKEN_COST
 from cloud_verifier.quotas import Quota
 from cloud_verifier.tls import ServerTls
+from shared.feature_codec import DEFAULT_CODEC, codec_named
 from shared.message_limits import MAX_DRAFT_LEN_CEILING
 
 
@@ -83,6 +84,10 @@ class VerifierConfig:
     # listens on loopback unless told otherwise.
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Target features for sessions that ask (OpenSession.want_feature), in this wire codec
+    # (shared.feature_codec); off: GetInfo advertises none and such opens are refused.
+    serve_features: bool = True
+    feature_codec: str = DEFAULT_CODEC
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_draft_len <= MAX_DRAFT_LEN_CEILING:
@@ -102,6 +107,7 @@ class VerifierConfig:
             raise ValueError(f"max_context must be >= 2, got {self.max_context}")
         if self.max_q_support < 1:
             raise ValueError(f"max_q_support must be >= 1, got {self.max_q_support}")
+        codec_named(self.feature_codec)  # ValueError for an unknown name
         for name in ("grace_s", "drain_s", "open_timeout_s", "stalled_reader_s",
                      "keepalive_s", "min_client_ping_s"):
             if not getattr(self, name) > 0:

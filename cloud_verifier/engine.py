@@ -13,13 +13,19 @@ the logits (``cloud_verifier.batched_verification``) and reads the decisions bac
 copy. Each session's uniforms come from its own generator, seeded from (session seed,
 committed length), so batched results equal sessions run one at a time, and equal the
 per-session reference (``cloud_verifier.verification``) bit for bit on the CPU.
+
+Target features (``cloud_verifier.features``): for each session that asked, the forward's
+final-norm hidden state at the row that decided the session's last committed token (row j of
+its K+1 decided the j+1-th token it appended) is copied to the host, for all of them at once
+after the decisions, and encoded. Sessions that did not ask cost nothing; the logits and the
+decisions are the same either way (the rows are what the LM head read).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,14 +33,16 @@ from cloud_verifier.attention import check_attention, default_attention
 from cloud_verifier.batched_verification import round_uniforms, verify_batch
 from cloud_verifier.device_timer import ForwardTimer
 from cloud_verifier.errors import ContextTooLong, KVCacheFull
+from cloud_verifier.features import FeatureServing
 from cloud_verifier.kv_store import KVBudgetExceeded, KVStore
 from cloud_verifier.packed_forward import (
     Segment,
-    packed_logits,
+    packed_rows,
     sequential_logits,
     supports_packing,
 )
 from cloud_verifier.sessions import Session, position_seed
+from shared.feature_codec import EncodedFeature
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +79,33 @@ class RoundOutcome:
     batch_sessions: int = 1
     batch_tokens: int = 0
     fed_tokens: int = 0  # positions this round fed (uncached tail + drafts)
+    # Sessions that want features: the one that decided committed[feature_position] (the
+    # last committed token).
+    feature: EncodedFeature | None = None
+    feature_position: int = 0
+
+
+def _sequential(model: torch.nn.Module, segments: list[Segment]) -> tuple[torch.Tensor, None]:
+    return sequential_logits(model, segments), None
 
 
 class VerifierEngine:
     """Runs rounds on a loaded target. Not thread-safe: one ``run_batch`` at a time."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int,
-                 kv_budget_bytes: int | None = None, attention: str | None = None) -> None:
+                 kv_budget_bytes: int | None = None, attention: str | None = None,
+                 features: FeatureServing | None = None) -> None:
         """``attention``: how a packed forward runs attention (``cloud_verifier.attention``);
-        None picks the default for the model's device and dtype."""
+        None picks the default for the model's device and dtype. ``features``: what the
+        sessions that ask get (None: none is served; only a packed forward captures them)."""
         self.model = model
         param = next(model.parameters())
         self.attention = attention or default_attention(param.device, param.dtype)
         check_attention(self.attention, param.device)
-        self._forward = functools.partial(packed_logits, attention=self.attention) \
-            if supports_packing(model) else sequential_logits
+        # -> (logits, final-norm hidden rows or None)
+        self._forward = functools.partial(packed_rows, attention=self.attention) \
+            if supports_packing(model) else _sequential
+        self.features = features if supports_packing(model) else None
         if not supports_packing(model):
             log.warning("%s is not Llama-family: verifying one session per forward",
                         type(model).__name__)
@@ -149,12 +169,13 @@ class VerifierEngine:
         if segments:
             timer = ForwardTimer(self.kv.device)
             timer.start()
-            logits = self._forward(self.model, segments)  # [sum(K+1), V]
+            logits, hidden = self._forward(self.model, segments)  # [sum(K+1), V], [.., d]
             timer.stop()
             batch = [rounds[i] for i in ready]
             decisions = self._decide(batch, logits)  # waits for the device: one host copy
             forward_ns = timer.elapsed_ns()
             batch_tokens = sum(len(s.tokens) for s in segments)
+            offset, feature_rows = 0, []  # (result index, logits row of its feature)
             for i, segment, (session, draft), (n, next_token, valid) in zip(
                     ready, segments, batch, decisions, strict=True):
                 results[i] = self._apply(session, draft, n, next_token, forward_ns,
@@ -162,7 +183,23 @@ class VerifierEngine:
                                          len(segment.tokens)) if valid else \
                     RuntimeError("the target's logits for this round have a NaN or no finite "
                                  "maximum")
+                if valid and session.want_feature and self.features is not None:
+                    feature_rows.append((i, offset + len(results[i].committed) - 1))
+                offset += segment.num_logits
+            if feature_rows:
+                self._attach_features(results, hidden, feature_rows, rounds)
         return results  # type: ignore[return-value]
+
+    def _attach_features(self, results: list, hidden: torch.Tensor,
+                         feature_rows: list[tuple[int, int]],
+                         rounds: list[tuple[Session, DraftRound]]) -> None:
+        """Encodes each wanting session's feature row into its outcome (one host copy)."""
+        index = torch.tensor([row for _, row in feature_rows], device=hidden.device)
+        rows = hidden.index_select(0, index).float().cpu().numpy()
+        for (i, _), feature in zip(feature_rows, self.features.encode(rows), strict=True):
+            session = rounds[i][0]
+            results[i] = replace(results[i], feature=feature,
+                                             feature_position=len(session.committed) - 1)
 
     def reserve(self, session: Session, draft: DraftRound) -> None:
         """Checks the context and gives the session KV room for everything this round feeds

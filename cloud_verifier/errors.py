@@ -39,6 +39,12 @@ class InvalidRequest(VerifierError):
     reason = reasons.INVALID_ARGUMENT
 
 
+class FeaturesUnavailable(InvalidRequest):
+    """The open asked for target features and this verifier serves none."""
+
+    reason = reasons.FEATURES_UNAVAILABLE
+
+
 class ContextTooLong(VerifierError):
     """The session would grow past the maximum context."""
 

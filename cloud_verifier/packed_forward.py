@@ -173,11 +173,21 @@ def packed_forward(model: torch.nn.Module, segments: list[Segment],
     return list(torch.split(logits, [s.num_logits for s in segments]))
 
 
-@torch.inference_mode()
 def packed_logits(model: torch.nn.Module, segments: list[Segment],
                   attention: str | None = None) -> torch.Tensor:
     """Runs all segments in one pass; returns float32 logits ``[sum(num_logits), V]``, segment
-    after segment, each segment's last ``num_logits`` tokens.
+    after segment, each segment's last ``num_logits`` tokens (``packed_rows``' first half)."""
+    return packed_rows(model, segments, attention)[0]
+
+
+@torch.inference_mode()
+def packed_rows(model: torch.nn.Module, segments: list[Segment],
+                attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs all segments in one pass; returns (float32 logits ``[sum(num_logits), V]``,
+    segment after segment, each segment's last ``num_logits`` tokens; and the final-norm
+    hidden states ``[sum(num_logits), d]`` those logits were read from, in the model's dtype:
+    the target features, cloud_verifier.features). Keeping the hidden rows costs nothing: the
+    LM head reads them anyway.
 
     Writes each segment's new keys/values at positions ``kv.length ..`` of its buffer (the
     caller must have ensured capacity) but does not change ``kv.length``: committing is the
@@ -212,5 +222,5 @@ def packed_logits(model: torch.nn.Module, segments: list[Segment],
         out = plan.attend(layer_idx, q[0], k[0], v[0], attn.scaling)  # [H, N, hd]
         hidden = hidden + _linear(out.transpose(0, 1).reshape(1, n, -1), attn.o_proj, packed)
         hidden = hidden + _mlp(layer.mlp, layer.post_attention_layernorm(hidden), packed)
-    hidden = inner.norm(hidden)[0]
-    return _linear(hidden[wanted], model.lm_head, packed).float()
+    rows = inner.norm(hidden)[0][wanted]
+    return _linear(rows, model.lm_head, packed).float(), rows

@@ -36,6 +36,7 @@ from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.prefix_cache import PrefixCache
 from cloud_verifier.quotas import QuotaExceeded, TenantQuotas, fair_share_victim
 from cloud_verifier.sessions import Session, SessionStore, short_id
+from shared.feature_codec import EncodedFeature
 
 if TYPE_CHECKING:
     from cloud_verifier.wire import EditParams, OpenParams
@@ -60,6 +61,9 @@ class RoundResult:
     draft_token_cost: float | None = None
     suggestion: int = 0  # editable sessions: the suggestion this round belongs to
     fed_tokens: int = 0  # positions the forward fed for this session
+    # Sessions that want features: the one that decided committed[feature_position].
+    feature: EncodedFeature | None = None
+    feature_position: int = 0
 
 
 @dataclass
@@ -112,6 +116,7 @@ class RoundRunner:
         session = self.store.create(owner, params.sampling, params.prompt,
                                     max_new_tokens, params.stop_token_ids)
         session.editable = params.editable
+        session.want_feature = params.want_feature
         self.metrics.active_sessions.set(len(self.store))
         session.kv = self.prefix_cache.restore(owner, params.prompt)
         self.metrics.prefix_cache_queries.inc(len(params.prompt) - 1)
@@ -343,7 +348,8 @@ class RoundRunner:
             finished=outcome.finished, target_forwards=1, queue_ns=queue_ns,
             forward_ns=outcome.forward_ns, suggested_draft_len=suggested,
             draft_token_cost=draft_token_cost(load, token_cost, session_cost),
-            suggestion=session.suggestion, fed_tokens=outcome.fed_tokens)
+            suggestion=session.suggestion, fed_tokens=outcome.fed_tokens,
+            feature=outcome.feature, feature_position=outcome.feature_position)
 
     def _track_speculation(self, session: Session, pays: bool) -> None:
         """Counts acceptance collapses: the suggestion drops to 0 (both sides stop

@@ -46,6 +46,7 @@ from cloud_verifier.tls import (
     is_loopback,
 )
 from cloud_verifier.undecodable import UndecodableInterceptor
+from shared.feature_codec import DEFAULT_CODEC, codec_named
 from shared.message_limits import max_reply_bytes, max_request_bytes
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
@@ -72,6 +73,7 @@ class VerifierServer:
 
     def __init__(self, target: LoadedTarget, config: VerifierConfig) -> None:
         from cloud_verifier.engine import VerifierEngine
+        from cloud_verifier.features import feature_serving
         from cloud_verifier.packed_forward import packed_weights, supports_packing
         from cloud_verifier.service import ModelInfo, VerifierService
 
@@ -81,11 +83,15 @@ class VerifierServer:
         self.keys = KeyRing({**{d: default_tenant(d) for d in config.api_key_digests},
                              **dict(config.api_keys)}, config.api_keys_file)
         self.metrics = VerifierMetrics()
-        if supports_packing(target.model):  # now, not in the first client's forward
+        packed = supports_packing(target.model)
+        if packed:  # now, not in the first client's forward
             torch_thread.run(packed_weights, target.model)
+        # The weights fingerprint once, here: GetInfo only repeats it.
+        features = torch_thread.run(feature_serving, target.model, config.feature_codec,
+                                    packed) if config.serve_features else None
         self.service = VerifierService(
             VerifierEngine(target.model, target.vocab_size, max_context,
-                           config.kv_budget_bytes), config,
+                           config.kv_budget_bytes, features=features), config,
             ModelInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
                       tuple(target.eos_token_ids)),
             self.metrics)
@@ -328,6 +334,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the metrics port (default loopback: a scraper on this "
                         "host or pod)")
+    p.add_argument("--no-features", dest="features", action="store_false",
+                   help="send no target features (GetInfo advertises none; opens that ask "
+                        "for them get INVALID_ARGUMENT FEATURES_UNAVAILABLE)")
+    p.add_argument("--feature-codec", default=DEFAULT_CODEC,
+                   help="wire form of the target features: fp16 (default) or int8-g<G> "
+                        "(shared.feature_codec; a feature head reads only the one it was "
+                        "trained on)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.verify_token_cost < 0 or args.verify_session_cost < 0:
@@ -350,6 +363,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         p.error("--tls-client-ca needs --tls-cert and --tls-key")
     if args.max_new_tokens_cap < 0:
         p.error("--max-new-tokens-cap must be >= 0")
+    try:
+        codec_named(args.feature_codec)
+    except ValueError as err:
+        p.error(str(err))
     tls = None if args.tls_cert is None else ServerTls(args.tls_cert, args.tls_key,
                                                        args.tls_client_ca)
     try:
@@ -378,7 +395,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         min_client_ping_s=args.min_client_ping,
         api_keys=tuple(env_keys.items()), api_keys_file=args.api_keys_file, tls=tls,
         insecure=args.insecure, quota=quota, max_new_tokens_cap=args.max_new_tokens_cap or None,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        serve_features=args.features, feature_codec=args.feature_codec)
     return args, config
 
 

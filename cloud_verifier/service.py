@@ -71,7 +71,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         self.metrics = metrics
         self.runner = RoundRunner(engine, config, metrics)
         self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context,
-                             config.max_q_support)
+                             config.max_q_support,
+                             serves_features=engine.features is not None)
         self._eos = frozenset(info.eos_token_ids)
         self.streams = LiveStreams()
         self._aborts: set[asyncio.Task] = set()
@@ -107,7 +108,9 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
             max_draft_len=self.config.max_draft_len, max_context=self.engine.max_context,
             modes=["greedy", "sampling"], eos_token_ids=list(self.info.eos_token_ids),
             max_q_support=self.limits.max_q_support,
-            max_stop_token_ids=self.limits.max_stop_token_ids)
+            max_stop_token_ids=self.limits.max_stop_token_ids,
+            feature=None if self.engine.features is None
+            else self.engine.features.capability_pb())
 
     async def Session(self, request_iterator, context):
         """One session per stream: the open's drafting mode runs it; the stream's end

@@ -76,6 +76,9 @@ class Session:
     # does not close the session. ``suggestion`` is the current one's number.
     editable: bool = False
     suggestion: int = 0
+    # Opened with want_feature: each round's outcome carries the target feature of its last
+    # committed token (cloud_verifier.engine).
+    want_feature: bool = False
     # Whether the last suggested_draft_len was above 0; its changes are the acceptance
     # collapses (and recoveries) the metrics count.
     speculating: bool = True

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cloud_verifier.engine import NO_DRAFT, DraftRound
-from cloud_verifier.errors import ContextTooLong, InvalidRequest
+from cloud_verifier.errors import ContextTooLong, FeaturesUnavailable, InvalidRequest
 from cloud_verifier.lookahead import Lookahead
 from cloud_verifier.rounds import RoundResult
 from cloud_verifier.sampling import SamplingParams
@@ -40,6 +40,7 @@ class Limits:
     max_context: int
     max_q_support: int = 256  # entries of one q; also bounds the message size limit
     max_stop_token_ids: int = 64
+    serves_features: bool = False  # GetInfo has a FeatureCapability
 
     def caps(self) -> ProtocolCaps:
         return ProtocolCaps(self.vocab_size, self.max_context, self.max_draft_len,
@@ -57,6 +58,7 @@ class OpenParams:
     # None when unset.
     first_draft: DraftRound | None
     editable: bool = False  # serves many suggestions (rounds only)
+    want_feature: bool = False  # each Step carries the target feature (Step.feature)
 
 
 @dataclass(frozen=True)
@@ -205,8 +207,12 @@ def parse_open(msg: pb.OpenSession, limits: Limits,
         first = NO_DRAFT if msg.drafting == ROUNDS else None
     if msg.editable and msg.drafting != ROUNDS:
         raise InvalidRequest("open.editable needs DRAFTING_ROUNDS", field="open.editable")
+    if msg.want_feature and not limits.serves_features:
+        raise FeaturesUnavailable("open.want_feature: this verifier serves no target features "
+                                  "(its GetInfo has no feature capability); draft with an "
+                                  "independent draft", field="open.want_feature")
     return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, msg.drafting, first,
-                      bool(msg.editable))
+                      bool(msg.editable), bool(msg.want_feature))
 
 
 def parse_edit(msg: pb.Edit, limits: Limits, where: str = "verify.edit") -> EditParams:
@@ -260,6 +266,10 @@ def step_to_pb(result: RoundResult, suggestion: bool = True) -> pb.Step:
         finished=result.finished, target_forwards=result.target_forwards,
         timing=pb.Timing(queue_ns=result.queue_ns, forward_ns=result.forward_ns),
         suggestion=result.suggestion, fed_tokens=result.fed_tokens)
+    if result.feature is not None:
+        step.feature.position = result.feature_position
+        step.feature.values = result.feature.values
+        step.feature.scales.extend(result.feature.scales)
     if suggestion:
         step.suggested_draft_len = result.suggested_draft_len
         if result.draft_token_cost is not None:

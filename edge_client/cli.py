@@ -31,9 +31,14 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help=f"ONNX draft model directory (default: {default_draft_dir()})")
-    p.add_argument("--drafter", choices=["model", "ngram", "combined"], default="model",
+    p.add_argument("--drafter", choices=["model", "ngram", "combined", "feature"],
+                   default="model",
                    help="who drafts: the ONNX model, prompt lookup (n-gram) in the context, "
-                        "or the n-gram when it matches and the model otherwise")
+                        "the n-gram when it matches and the model otherwise, or a feature "
+                        "head fed the verifier's target features (needs --feature-head)")
+    p.add_argument("--feature-head", type=Path, default=None, metavar="DIR",
+                   help="feature head directory (edgespec-distill export-head) for "
+                        "--drafter feature; it must have been trained on the verifier's target")
     p.add_argument("--protocol", choices=["rounds", "lookahead", "cloud"], default="rounds",
                    help=PROTOCOL_HELP)
     p.add_argument("--fallback", choices=["fail", "draft-only"], default="fail",
@@ -97,12 +102,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("edge-client: --tls-cert and --tls-key go together")
+    if (args.drafter == "feature") != (args.feature_head is not None):
+        raise SystemExit("edge-client: --drafter feature and --feature-head DIR go together "
+                         "(no trained head is shipped yet)")
     tls = (ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
            if args.tls_ca or args.tls_cert else None)
     with verifier_address(args) as address, EdgeClient(
             address, args.draft_dir, api_key=args.api_key, tls=tls, insecure=args.insecure,
             rtt_ms=args.rtt_ms, protocol=args.protocol, fallback=args.fallback,
-            retry=RetryPolicy(budget_s=args.retry_budget_s)) as client:
+            retry=RetryPolicy(budget_s=args.retry_budget_s),
+            feature_head=args.feature_head) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         chunks = []
         stream = TextStream(client.tokenizer)

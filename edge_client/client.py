@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from edge_client.combined_drafter import DRAFTER_KINDS, make_drafter
+from edge_client.combined_drafter import DRAFTER_KINDS, FEATURE, make_drafter
 from edge_client.connection import Backoff, ClientTls, Connection, Deadlines, RetryPolicy
 from edge_client.core import (
     DRAFT_ONLY,
@@ -54,6 +54,8 @@ from edge_client.errors import (  # noqa: F401 - part of this module's API
     RequestRejected,
     VerifierUnavailable,
 )
+from edge_client.feature_draft import FeatureHead
+from edge_client.feature_drafter import feature_head_for
 from edge_client.generation_state import (  # noqa: F401 - ProtocolError is API
     PROTOCOLS,
     ROUNDS,
@@ -88,7 +90,9 @@ class GenerationConfig:
     max_support: int = 64
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
-    drafter: str = "model"  # one of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined"
+    # One of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined", or "feature" (the
+    # client's feature head, fed the verifier's target features: edge_client.feature_drafter).
+    drafter: str = "model"
     # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
     # choose drafting or cloud-side decoding by measured rate (edge_client.rate_chooser).
     # Both depend on load, so sampled outputs would no longer be a function of the seed
@@ -139,6 +143,8 @@ class AsyncEdgeClient:
 
     ``tls``: a TLS channel (``ClientTls(ca=..., cert=..., key=...)``); without it the
     channel is plaintext, allowed to a loopback address or with ``insecure=True``.
+    ``feature_head``: the directory of a feature head (``edgespec-distill export-head``), for
+    ``GenerationConfig(drafter="feature")``.
     """
 
     def __init__(self, address: str, draft_dir: str | Path | None = None, *,
@@ -146,7 +152,8 @@ class AsyncEdgeClient:
                  deadlines: Deadlines | None = None, retry: RetryPolicy | None = None,
                  rtt_ms: float = 0.0, link: Link | None = None,
                  intra_op_threads: int | None = None, tls: ClientTls | None = None,
-                 insecure: bool = False, fallback: str = FAIL) -> None:
+                 insecure: bool = False, fallback: str = FAIL,
+                 feature_head: str | Path | None = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         if fallback not in FALLBACKS:
@@ -165,6 +172,10 @@ class AsyncEdgeClient:
         # Measured rates of drafting vs cloud-side decoding on this connection.
         self.chooser = RateChooser()
         self.info = None
+        self.feature_head_dir = None if feature_head is None else Path(feature_head)
+        self._intra_op_threads = intra_op_threads
+        # The loaded head and the capability it was checked against.
+        self._head: tuple[bytes, FeatureHead] | None = None
 
     async def connect(self) -> AsyncEdgeClient:
         """Asks the verifier what it serves and refuses one with another tokenizer. With
@@ -193,6 +204,23 @@ class AsyncEdgeClient:
                 f"outputs {self.model.vocab_size}")
         self.info = info
         return info
+
+    def feature_head(self) -> FeatureHead:
+        """The feature head, checked against the verifier's current feature capability
+        (loaded once per capability): IncompatibleVerifier when the verifier serves none or
+        another target's."""
+        if self.feature_head_dir is None:
+            raise ValueError("drafter 'feature' needs a feature head: AsyncEdgeClient("
+                             "feature_head=DIR), edge-client --feature-head DIR")
+        if self.info is None:
+            raise VerifierUnavailable(f"the feature drafter drafts from the verifier's "
+                                      f"features, and the verifier at {self.conn.address} "
+                                      "has not answered")
+        key = self.info.feature.SerializeToString() if self.info.HasField("feature") else b""
+        if self._head is None or self._head[0] != key:
+            self._head = key, feature_head_for(self.feature_head_dir, self.info,
+                                               self.conn.address, self._intra_op_threads)
+        return self._head[1]
 
     async def close(self) -> None:
         await self.conn.close()
@@ -294,14 +322,18 @@ class AsyncGeneration:
         if not await client.reach_verifier() and cfg.fallback != DRAFT_ONLY:
             raise VerifierUnavailable(f"the verifier at {client.conn.address} is unreachable")
         adaptive = cfg.follow_suggested_draft_len is True
+        features = cfg.drafter == FEATURE
         state = GenerationState(self.prompt_ids, cfg.session_params(),
                                 client.limits(cfg.draft_len), cfg.draft_len,
                                 client.protocol, follow_suggestion=adaptive,
-                                chooser=client.chooser if adaptive else None)
+                                chooser=client.chooser if adaptive else None,
+                                want_feature=features)
         drafter = make_drafter(cfg.drafter, client.model,
                                DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p,
                                              state.limits.q_support(cfg.max_support)),
-                               np.random.default_rng(cfg.seed))
+                               np.random.default_rng(cfg.seed),
+                               head=client.feature_head() if features else None,
+                               latest=lambda: state.feature)
         rng = np.random.default_rng()  # back-off jitter only: never touches the output
         propose = model_proposer(drafter, self.stats)
         deadline = None if cfg.budget_ms is None else (

@@ -1,4 +1,5 @@
-"""Choosing the drafter of a generation: the ONNX model, prompt lookup, or both combined.
+"""Choosing the drafter of a generation: the ONNX model, prompt lookup, both combined, or
+the feature head fed by the verifier's target features (edge_client.feature_drafter).
 
 ``CombinedDrafter`` proposes the n-gram continuation when the context has one and asks the
 model otherwise. Each round's drafts come from one drafter only, so a Draft message never
@@ -13,15 +14,19 @@ forward, so its cache is right whichever drafter proposed the rounds before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
+from edge_client.feature_draft import FeatureHead
+from edge_client.feature_drafter import FeatureDrafter, LatestFeature
 from edge_client.ngram_drafter import NgramDrafter
 
-DRAFTER_KINDS = ("model", "ngram", "combined")
+FEATURE = "feature"  # edge_client.feature_drafter: needs a head and the verifier's features
+DRAFTER_KINDS = ("model", "ngram", "combined", FEATURE)
 
 
 class Drafter(Protocol):
@@ -50,8 +55,14 @@ class CombinedDrafter:
 
 
 def make_drafter(kind: str, model: OnnxDraftModel, sampling: DraftSampling,
-                 rng: np.random.Generator) -> Drafter:
-    """A fresh drafter of ``kind`` (one of DRAFTER_KINDS) for one generation."""
+                 rng: np.random.Generator, head: FeatureHead | None = None,
+                 latest: Callable[[], LatestFeature | None] | None = None) -> Drafter:
+    """A fresh drafter of ``kind`` (one of DRAFTER_KINDS) for one generation; FEATURE needs
+    the checked ``head`` and the generation state's latest feature (``latest``)."""
+    if kind == FEATURE:
+        if head is None or latest is None:
+            raise ValueError("the feature drafter needs a feature head and the latest feature")
+        return FeatureDrafter(head, sampling, rng, latest)
     if kind == "model":
         return ModelDrafter(model, sampling, rng)
     if kind == "ngram":

@@ -79,6 +79,7 @@ class GenerationStats:
     target_forwards: int = 0
     bytes_up: int = 0  # serialized protobuf bytes sent
     bytes_down: int = 0  # serialized protobuf bytes received
+    feature_bytes: int = 0  # of bytes_down: the target features (Step.feature)
     reopens: int = 0
     # Draft-only fallback: tokens the draft proposed alone while the verifier was away,
     # those still unverified at the end, and those the verifier then replaced.
@@ -206,6 +207,8 @@ class _Wire:
         s.accepted += step.num_accepted
         s.target_forwards += step.target_forwards
         s.fed_tokens += step.fed_tokens
+        if step.HasField("feature"):
+            s.feature_bytes += step.feature.ByteSize()
         queue_s, forward_s = step.timing.queue_ns / 1e9, step.timing.forward_ns / 1e9
         s.verify_s += queue_s + forward_s
         (rt, up, down), self.pending = self.pending, [0, 0, 0]
@@ -273,7 +276,7 @@ async def generate(conn: Connection, state: GenerationState, propose: Propose,
             before = len(state.committed)
             try:
                 if recheck:
-                    await _check_same_target(wire, info)
+                    await _check_same_target(wire, info, state.want_feature)
                     recheck = False
                 async with contextlib.aclosing(attempt_of(wire, state, propose)) as attempt:
                     async for delivery in attempt:
@@ -350,7 +353,10 @@ def _cut_at_stop(proposal: Proposal, stop_ids: frozenset[int]) -> Proposal:
     return proposal
 
 
-async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse) -> None:
+async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse, features: bool) -> None:
+    """After a lost connection: the verifier still serves the same tokenizer, and, for a
+    generation drafting from its features, the same features (a restart may have brought
+    another target, or none)."""
     now = await wire.conn.stub.GetInfo(pb.GetInfoRequest(), timeout=wire.conn.deadlines.call_s,
                                        metadata=wire.metadata)
     if (now.tokenizer_fingerprint, now.vocab_size) != (info.tokenizer_fingerprint,
@@ -358,6 +364,10 @@ async def _check_same_target(wire: _Wire, info: pb.GetInfoResponse) -> None:
         raise IncompatibleVerifier(f"the verifier at {wire.conn.address} now serves "
                                    f"{now.target_model!r}, whose tokenizer differs from the "
                                    "one this generation started with")
+    if features and now.feature != info.feature:
+        raise IncompatibleVerifier(f"the verifier at {wire.conn.address} now serves other "
+                                   f"target features ({now.feature or 'none'}) than this "
+                                   "generation's feature head reads")
 
 
 async def _rounds(wire: _Wire, state: GenerationState, propose: Propose,

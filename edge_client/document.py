@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_client.combined_drafter import make_drafter
+from edge_client.combined_drafter import FEATURE, make_drafter
 from edge_client.core import (
     DRAFT_ONLY,
     GenerationStats,
@@ -104,11 +104,15 @@ class AsyncDocument:
         self.config = config
         self._keeper = SessionKeeper()
         self._state: GenerationState | None = None
-        # One drafter for the document's life: its KV cache follows the text across edits.
+        # One drafter for the document's life: its KV cache (or the latest target feature,
+        # kept by the state) follows the text across edits.
+        self._features = config.drafter == FEATURE
         self._drafter = make_drafter(config.drafter, client.model,
                                      DraftSampling(config.temperature, config.top_k,
                                                    config.top_p, config.max_support),
-                                     np.random.default_rng(config.seed))
+                                     np.random.default_rng(config.seed),
+                                     head=client.feature_head() if self._features else None,
+                                     latest=lambda: self._state and self._state.feature)
         self._drafting = threading.Lock()  # the drafter's cache: one proposal at a time
         self._rng = np.random.default_rng()  # back-off jitter only
         self._task: asyncio.Task | None = None
@@ -263,7 +267,7 @@ class AsyncDocument:
                 ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
                 client.limits(cfg.draft_len), cfg.draft_len, ROUNDS,
                 follow_suggestion=follow, chooser=client.chooser if adaptive else None,
-                editable=True)
+                editable=True, want_feature=self._features)
             return self._state, 0
         state = self._state
         keep = 0

@@ -1,8 +1,8 @@
 """A draft conditioned on the target's hidden state, on the device (numpy + onnxruntime).
 
 The verifier can send, with a verify result, the target's final hidden state f (after its
-final norm) at the position that decided a committed token x_m, int8 with one scale
-(``shared.feature_codec``). ``FeatureHead.propose`` drafts from it: a chain whose first steps
+final norm) at the position that decided a committed token x_m, in the wire form its GetInfo
+names (``shared.feature_codec``). ``FeatureHead.propose`` drafts from it: a chain whose first steps
 read the committed tokens x_m .. x_n (just x_n when the feature is fresh; more when it arrived
 a round late, in lookahead drafting) and whose last step after x_n gives d_1; each draft is
 fed back to give the next. Every step is one run of the exported head (``edgespec-distill
@@ -36,7 +36,7 @@ import onnxruntime as ort
 from edge_client.drafter import DraftSampling, Proposal, top_probability
 from edge_client.errors import IncompatibleVerifier
 from edge_client.sampling import sample, truncated_distribution
-from shared.feature_codec import dequantize_feature
+from shared.feature_codec import EncodedFeature, codec_named
 
 METADATA_FILE = "feature_head.json"
 VOCAB_MAP_FILE = "vocab_map.npz"
@@ -49,7 +49,7 @@ class FeatureSpec:
 
     layer: str  # "final_norm": after the target's final norm, what its LM head reads
     hidden_size: int
-    dtype: str  # "int8": int8 values, one float32 scale per vector
+    dtype: str  # the wire codec's name (shared.feature_codec): "fp16", "int8-g32", ...
     target_fingerprint: str  # shared.fingerprint.weights_fingerprint of the target
 
     def mismatch(self, other: FeatureSpec) -> list[str]:
@@ -83,6 +83,7 @@ class FeatureHead:
         self._model_dir = Path(model_dir)
         meta = _metadata(self._model_dir)
         self.spec = read_spec(self._model_dir)
+        self.codec = codec_named(self.spec.dtype)
         wrong = self.spec.mismatch(verifier)
         if wrong:
             raise IncompatibleVerifier(
@@ -110,19 +111,18 @@ class FeatureHead:
                                              providers=["CPUExecutionProvider"])
         self.steps_run = 0  # graph runs, for step-time accounting
 
-    def propose(self, feature: np.ndarray, scale: float, tail: Sequence[int], k: int,
+    def propose(self, feature: EncodedFeature, tail: Sequence[int], k: int,
                 sampling: DraftSampling, rng: np.random.Generator) -> Proposal:
         """Drafts k tokens after ``tail[-1]``.
 
-        feature, scale: the int8 feature [H] that decided ``tail[0]`` and its scale.
+        feature: the encoded feature [H] that decided ``tail[0]`` (ValueError if its sizes
+        are not this head's codec's).
         tail: the committed tokens from that one to the last (at least one, full ids).
         Greedy drafts carry no q (point masses) and their confidence; sampled ones carry the
         exact (ids, probs) each was drawn from, using one ``rng.random()`` per draft.
         """
-        g = dequantize_feature(np.asarray(feature), scale)[None, None, :]  # [1, 1, H]
-        if g.shape[2] != self.spec.hidden_size:
-            raise ValueError(f"feature has {g.shape[2]} values, the head reads "
-                             f"{self.spec.hidden_size}")
+        g = self.codec.decode(feature.values, feature.scales,
+                              self.spec.hidden_size)[None, None, :]  # [1, 1, H]
         tail = [int(t) for t in tail]
         if not tail:
             raise ValueError("tail needs at least the token the feature decided")

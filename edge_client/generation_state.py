@@ -18,8 +18,10 @@ from dataclasses import dataclass, replace
 
 from edge_client.drafter import Proposal
 from edge_client.errors import EdgeError
+from edge_client.feature_drafter import LatestFeature
 from edge_client.rate_chooser import CONTINUE, RateChooser
 from shared.draft_length import worth_verifying
+from shared.feature_codec import EncodedFeature
 from shared.pb import verifier_pb2 as pb
 
 ROUNDS = "rounds"
@@ -91,7 +93,8 @@ class GenerationState:
 
     def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
                  draft_len: int, protocol: str = ROUNDS, follow_suggestion: bool = False,
-                 chooser: RateChooser | None = None, editable: bool = False) -> None:
+                 chooser: RateChooser | None = None, editable: bool = False,
+                 want_feature: bool = False) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if draft_len < 0:
@@ -136,6 +139,11 @@ class GenerationState:
         self.reopens = 0
         # The round sent and not yet answered: a reopen sends it again as its first draft.
         self.pending: Proposal | None = None
+        # A feature drafter's session (edge_client.feature_drafter): every Step carries the
+        # target feature of its last committed token; the latest one is kept while the text
+        # before its position stays as it was.
+        self.want_feature = want_feature
+        self.feature: LatestFeature | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -188,7 +196,8 @@ class GenerationState:
             prompt_token_ids=self.committed, sampling=p.sampling_pb(),
             max_new_tokens=self.remaining, stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, drafting=_DRAFTING[self.protocol],
-            first_draft=draft_to_pb(first, confidence=not rounds), editable=self.editable))
+            first_draft=draft_to_pb(first, confidence=not rounds), editable=self.editable,
+            want_feature=self.want_feature))
 
     def reopen_first(self) -> Proposal | None:
         """The draft a reopen sends first: the unverified tokens drafted during an outage, or
@@ -277,6 +286,8 @@ class GenerationState:
                 and append == u.tokens[:len(append)] and len(append) < len(u.tokens):
             self.unverified = _suffix(u, len(append))
         self.committed[keep:] = append
+        if self.feature is not None and self.feature.position > keep:
+            self.feature = None  # it read text that is gone
         if self.pending_edit is not None:
             # The verifier may not have the last edit (it was cancelled on its way): this
             # one then replaces it, kept no further than it. Its kept tokens are the same
@@ -368,6 +379,7 @@ class GenerationState:
         if len(self.committed) + len(new) != step.committed_length:
             raise ProtocolError(f"step says committed length {step.committed_length}, "
                                 f"the client has {len(self.committed)} + {len(new)}")
+        feature = self._feature_of(step)
         remaining = self.remaining - len(new)
         if remaining < 0 or (remaining == 0 and not step.finished):
             raise ProtocolError(f"{len(self.generated) + len(new)} tokens generated of "
@@ -383,7 +395,25 @@ class GenerationState:
         self.suggested = (step.suggested_draft_len if step.HasField("suggested_draft_len")
                           else None)
         self.token_cost = token_cost
+        if feature is not None:
+            self.feature = feature
         return new
+
+    def _feature_of(self, step: pb.Step) -> LatestFeature | None:
+        """The step's feature, checked: present exactly when asked for, and of a committed
+        position. Its sizes are the head's to check (they depend on its codec)."""
+        if not step.HasField("feature"):
+            if self.want_feature:
+                raise ProtocolError("the session asked for target features and a step came "
+                                    "without one")
+            return None
+        if not self.want_feature:
+            raise ProtocolError("a step carries a target feature the session did not ask for")
+        f = step.feature
+        if f.position >= step.committed_length:
+            raise ProtocolError(f"the step's feature is of position {f.position}, past the "
+                                f"committed length {step.committed_length}")
+        return LatestFeature(f.position, EncodedFeature(bytes(f.values), tuple(f.scales)))
 
     def generate_request(self) -> pb.GenerateRequest:
         """The cloud-only baseline over everything committed so far (resumes after a loss)."""

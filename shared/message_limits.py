@@ -20,6 +20,9 @@ SLACK_BYTES = 4096
 MAX_DRAFT_LEN_CEILING = 256
 # GetInfo carries names and eos ids that no cap bounds; a reply past this is not a verifier.
 INFO_REPLY_BYTES = 64 * 1024
+# The largest target hidden size whose features a verifier serves (Step.feature, fp16: two
+# bytes a value, the largest codec), so that a client can size its limit before GetInfo.
+MAX_FEATURE_HIDDEN = 16384
 _UINT32 = 2**32 - 1
 _UINT64 = 2**64 - 1
 
@@ -71,6 +74,7 @@ def max_reply_bytes(max_draft_len: int) -> int:
                    num_drafted=_UINT32, num_accepted=_UINT32, committed_length=_UINT32,
                    finished=True, target_forwards=_UINT32,
                    timing=pb.Timing(queue_ns=_UINT64, forward_ns=_UINT64),
-                   suggested_draft_len=_UINT32, draft_token_cost=1e30)
+                   suggested_draft_len=_UINT32, draft_token_cost=1e30,
+                   feature=pb.Feature(position=_UINT32, values=bytes(2 * MAX_FEATURE_HIDDEN)))
     reply = pb.SessionResponse(session_id="f" * 64, step=step)
     return max(reply.ByteSize() + SLACK_BYTES, INFO_REPLY_BYTES)

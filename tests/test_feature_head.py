@@ -20,10 +20,10 @@ from edge_client.tools.distill.head_export import INPUTS, OUTPUTS
 from edge_client.tools.distill.head_model import (
     HeadArch,
     build_head,
-    fake_int8,
     load_head_run,
     target_fingerprint,
     target_tensors,
+    wire_round_trip,
 )
 from edge_client.tools.distill.head_train import (
     ChainIndex,
@@ -35,7 +35,7 @@ from edge_client.tools.distill.head_train import (
 from edge_client.tools.distill.prompts import DistillPrompt
 from edge_client.tools.distill.shards import list_shards, load_samples
 from edge_client.tools.distill.vocab import VocabMap
-from shared.feature_codec import dequantize_feature, quantize_feature
+from shared.feature_codec import DEFAULT_CODEC, EncodedFeature, codec_named
 from shared.fingerprint import fingerprint_tensor_names, weights_fingerprint
 
 SUB_VOCAB = 48  # of the tiny 96: exercises the <unk> slot and the output index map
@@ -94,18 +94,48 @@ def exported(data, trained) -> Path:
     return out
 
 
-def test_feature_codec_round_trip_is_the_one_training_sees():
+ENCODE = codec_named(DEFAULT_CODEC).encode
+
+
+def test_feature_codecs_round_trip_is_the_one_training_sees():
     rng = np.random.default_rng(0)
     f = (rng.standard_normal(576) * 3).astype(np.float32)
-    q, scale = quantize_feature(f)
-    assert q.dtype == np.int8 and np.abs(q).max() == 127
-    back = dequantize_feature(q, scale)
-    assert np.abs(back - f).max() <= scale / 2 + 1e-6
-    np.testing.assert_array_equal(fake_int8(torch.from_numpy(f)).numpy(), back)
-    zeros, s0 = quantize_feature(np.zeros(8))
-    assert s0 == 1.0 and not zeros.any()
-    with pytest.raises(ValueError, match="int8"):
-        dequantize_feature(q.astype(np.int16), scale)
+    f[7] = 20.0  # an outlier dimension, as SmolLM2's features have
+    fp16 = codec_named("fp16")
+    e = fp16.encode(f)
+    assert len(e.values) == 1152 == fp16.nbytes(576) and e.scales == ()
+    back = fp16.decode(e.values, e.scales, 576)
+    np.testing.assert_array_equal(back, f.astype(np.float16).astype(np.float32))
+    g32 = codec_named("int8-g32")
+    e = g32.encode(f)
+    assert len(e.values) == 576 and len(e.scales) == 18 and g32.nbytes(576) == 648
+    back = g32.decode(e.values, e.scales, 576)
+    scales = np.repeat(np.asarray(e.scales, np.float32), 32)
+    assert (np.abs(back - f) <= scales / 2 + 1e-6).all()
+    # Only the outlier's group pays for it: the others keep their own, finer scale.
+    assert e.scales[0] == pytest.approx(20 / 127) and max(e.scales[1:]) < 14 / 127
+    # The single-scale absmax of before is the one-group case.
+    one = codec_named("int8-g576").encode(f)
+    assert one.scales == (pytest.approx(20 / 127),)
+    for codec in (fp16, g32):
+        batch = np.stack([f, -f, np.zeros(576, np.float32)])
+        trip = codec.round_trip(batch)
+        for row, want in zip(batch, trip, strict=True):
+            e = codec.encode(row)
+            np.testing.assert_array_equal(codec.decode(e.values, e.scales, 576), want)
+        np.testing.assert_array_equal(
+            wire_round_trip(torch.from_numpy(batch), codec.name).numpy(), trip)
+    assert codec_named("int8-g8").encode(np.zeros(8)).scales == (1.0,)
+    with pytest.raises(ValueError, match="bytes"):
+        g32.decode(e.values[:-1], e.scales, 576)
+    with pytest.raises(ValueError, match="bytes"):
+        fp16.decode(fp16.encode(f).values, (1.0,), 576)
+    with pytest.raises(ValueError, match="> 0"):
+        g32.decode(g32.encode(f).values, (0.0,) * 18, 576)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        g32.encode(f[:40])
+    with pytest.raises(ValueError, match="unknown feature codec"):
+        codec_named("int4")
 
 
 def test_weights_fingerprint_follows_the_weights_not_their_precision(data):
@@ -134,8 +164,8 @@ def test_training_reduces_the_chain_loss(data, trained):
     starts = ChainIndex(samples).draw(np.random.default_rng(123), 64)
     batch = make_chain_batch(samples, starts, 4, vmap.full_to_sub(), full_to_head)
     with torch.no_grad():
-        before, _ = chain_loss(fresh, batch, 1.0, 1.0)
-        after, parts = chain_loss(head, batch, 1.0, 1.0)
+        before, _ = chain_loss(fresh, batch, 1.0, 1.0, DEFAULT_CODEC)
+        after, parts = chain_loss(head, batch, 1.0, 1.0, DEFAULT_CODEC)
     assert float(after) < 0.7 * float(before), (float(before), float(after))
     res = ck["state"]["heldout"]
     assert res["samples"] == 4 and 0 <= res["greedy_alpha"] <= 1
@@ -179,12 +209,13 @@ def test_exported_graph_equals_torch_along_a_chain(data, trained, exported):
 
     head, vmap, *_ = load_head_run(trained)
     sample = load_samples(list_shards(data["heldout"]))[0]
-    q, scale = quantize_feature(sample.features[0].astype(np.float32))
+    feature = ENCODE(sample.features[0].astype(np.float32))
+    decoded = codec_named(DEFAULT_CODEC).decode(feature.values, feature.scales, 32)
     tail = [int(t) for t in sample.gen_ids[:3]]  # a feature a round late: 3 known tokens
     spec = read_spec(exported)
     fp32 = FeatureHead(trained / "onnx-fp32", spec, intra_op_threads=1)
-    greedy = fp32.propose(q, scale, tail, 4, DraftSampling(), np.random.default_rng(0))
-    chain = _torch_chain(head, vmap, dequantize_feature(q, scale), tail + greedy.tokens[:-1])
+    greedy = fp32.propose(feature, tail, 4, DraftSampling(), np.random.default_rng(0))
+    chain = _torch_chain(head, vmap, decoded, tail + greedy.tokens[:-1])
     want = [int(np.argmax(logits)) for logits, _ in chain[len(tail) - 1:]]
     assert greedy.tokens == want
     assert greedy.q is None and len(greedy.confidence) == 4
@@ -192,7 +223,7 @@ def test_exported_graph_equals_torch_along_a_chain(data, trained, exported):
     sess = ort.InferenceSession(str(trained / "onnx-fp32" / "model.onnx"))
     assert [i.name for i in sess.get_inputs()] == list(INPUTS)
     assert [o.name for o in sess.get_outputs()] == list(OUTPUTS)
-    g = dequantize_feature(q, scale)[None, None]
+    g = decoded[None, None]
     past = np.zeros((1, head.kv_heads, 0, head.head_dim), np.float32)
     cache = (past, past)
     real = vmap.sub_to_full >= 0
@@ -207,7 +238,7 @@ def test_exported_graph_equals_torch_along_a_chain(data, trained, exported):
     meta = json.loads((exported / "feature_head.json").read_text())
     assert meta["kind"] == "feature-head" and meta["feature_layer"] == "final_norm"
     assert meta["target_fingerprint"] == target_fingerprint(data["target"])
-    assert meta["hidden_size"] == 32 and meta["feature_dtype"] == "int8"
+    assert meta["hidden_size"] == 32 and meta["feature_dtype"] == DEFAULT_CODEC
     results = json.loads((exported / "head_results.json").read_text())
     assert results["int8"]["bytes"] < results["fp32"]["bytes"]
     for name in ("torch", "fp32", "int8"):
@@ -221,11 +252,11 @@ def test_exported_graph_equals_torch_along_a_chain(data, trained, exported):
 def test_sampled_drafts_carry_the_exact_q_they_were_drawn_from(data, exported):
     head = FeatureHead(exported, read_spec(exported), intra_op_threads=1)
     sample = load_samples(list_shards(data["heldout"]))[1]
-    q8, scale = quantize_feature(sample.features[0].astype(np.float32))
+    feature = ENCODE(sample.features[0].astype(np.float32))
     tail = [int(sample.gen_ids[0])]
     sampling = DraftSampling(temperature=1.0, top_k=6, max_support=64)
     kept = set(np.load(exported / "vocab_map.npz")["sub_to_full"].tolist()) - {-1}
-    prop = head.propose(q8, scale, tail, 3, sampling, np.random.default_rng(1))
+    prop = head.propose(feature, tail, 3, sampling, np.random.default_rng(1))
     assert len(prop.tokens) == len(prop.q) == 3
     for token, (ids, probs) in zip(prop.tokens, prop.q, strict=True):
         assert 0 < len(ids) <= 6 and len(set(ids.tolist())) == len(ids)
@@ -238,7 +269,7 @@ def test_sampled_drafts_carry_the_exact_q_they_were_drawn_from(data, exported):
     ids, probs = prop.q[0]
     counts = {int(i): 0 for i in ids}
     for _ in range(n):
-        d = head.propose(q8, scale, tail, 1, sampling, rng)
+        d = head.propose(feature, tail, 1, sampling, rng)
         np.testing.assert_array_equal(d.q[0][0], ids)
         counts[d.tokens[0]] += 1
     tv = 0.5 * sum(abs(counts[int(i)] / n - float(p)) for i, p in zip(ids, probs, strict=True))
@@ -253,13 +284,14 @@ def test_a_head_for_other_target_weights_refuses_to_load(exported):
     with pytest.raises(IncompatibleVerifier, match="hidden_size"):
         FeatureHead(exported, replace(spec, hidden_size=576))
     head = FeatureHead(exported, spec, intra_op_threads=1)
-    q8, scale = quantize_feature(np.ones(32))
+    feature = ENCODE(np.ones(32))
     with pytest.raises(ValueError, match="positions"):
-        head.propose(q8, scale, [5] * 10, 8, DraftSampling(), np.random.default_rng(0))
-    with pytest.raises(ValueError, match="values"):
-        head.propose(q8[:16], scale, [5], 2, DraftSampling(), np.random.default_rng(0))
+        head.propose(feature, [5] * 10, 8, DraftSampling(), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="bytes"):
+        head.propose(EncodedFeature(feature.values[:32], ()), [5], 2, DraftSampling(),
+                     np.random.default_rng(0))
     with pytest.raises(ValueError, match="outside"):
-        head.propose(q8, scale, [96], 2, DraftSampling(), np.random.default_rng(0))
+        head.propose(feature, [96], 2, DraftSampling(), np.random.default_rng(0))
 
 
 def test_train_head_refuses_data_without_features(data, tmp_path):

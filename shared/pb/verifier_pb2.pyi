@@ -20,6 +20,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_UNAUTHENTICATED: _ClassVar[ErrorReason]
     ERROR_REASON_INTERNAL: _ClassVar[ErrorReason]
     ERROR_REASON_STREAM_IDLE: _ClassVar[ErrorReason]
+    ERROR_REASON_FEATURES_UNAVAILABLE: _ClassVar[ErrorReason]
 
 class Drafting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ ERROR_REASON_DRAINING: ErrorReason
 ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_INTERNAL: ErrorReason
 ERROR_REASON_STREAM_IDLE: ErrorReason
+ERROR_REASON_FEATURES_UNAVAILABLE: ErrorReason
 DRAFTING_UNSPECIFIED: Drafting
 DRAFTING_ROUNDS: Drafting
 DRAFTING_LOOKAHEAD: Drafting
@@ -46,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids", "max_q_support", "max_stop_token_ids")
+    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids", "max_q_support", "max_stop_token_ids", "feature")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class GetInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     target_model: str
     vocab_size: int
@@ -67,7 +70,22 @@ class GetInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_q_support: int
     max_stop_token_ids: int
-    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_q_support: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ...) -> None: ...
+    feature: FeatureCapability
+    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_q_support: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., feature: _Optional[_Union[FeatureCapability, _Mapping]] = ...) -> None: ...
+
+class FeatureCapability(_message.Message):
+    __slots__ = ("layer", "hidden_size", "codec", "group_size", "target_fingerprint")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    hidden_size: int
+    codec: str
+    group_size: int
+    target_fingerprint: str
+    def __init__(self, layer: _Optional[str] = ..., hidden_size: _Optional[int] = ..., codec: _Optional[str] = ..., group_size: _Optional[int] = ..., target_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -100,7 +118,7 @@ class Draft(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft", "editable")
+    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft", "editable", "want_feature")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +127,7 @@ class OpenSession(_message.Message):
     DRAFTING_FIELD_NUMBER: _ClassVar[int]
     FIRST_DRAFT_FIELD_NUMBER: _ClassVar[int]
     EDITABLE_FIELD_NUMBER: _ClassVar[int]
+    WANT_FEATURE_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -117,7 +136,8 @@ class OpenSession(_message.Message):
     drafting: Drafting
     first_draft: Draft
     editable: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ..., editable: _Optional[bool] = ...) -> None: ...
+    want_feature: bool
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ..., editable: _Optional[bool] = ..., want_feature: _Optional[bool] = ...) -> None: ...
 
 class Edit(_message.Message):
     __slots__ = ("keep_length", "append_token_ids", "suggestion", "max_new_tokens")
@@ -188,7 +208,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("round", "token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost", "suggestion", "fed_tokens")
+    __slots__ = ("round", "token_ids", "num_drafted", "num_accepted", "committed_length", "finished", "target_forwards", "timing", "suggested_draft_len", "draft_token_cost", "suggestion", "fed_tokens", "feature")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +221,7 @@ class Step(_message.Message):
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     SUGGESTION_FIELD_NUMBER: _ClassVar[int]
     FED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_drafted: int
@@ -213,7 +234,18 @@ class Step(_message.Message):
     draft_token_cost: float
     suggestion: int
     fed_tokens: int
-    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ..., suggestion: _Optional[int] = ..., fed_tokens: _Optional[int] = ...) -> None: ...
+    feature: Feature
+    def __init__(self, round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_forwards: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., suggested_draft_len: _Optional[int] = ..., draft_token_cost: _Optional[float] = ..., suggestion: _Optional[int] = ..., fed_tokens: _Optional[int] = ..., feature: _Optional[_Union[Feature, _Mapping]] = ...) -> None: ...
+
+class Feature(_message.Message):
+    __slots__ = ("position", "values", "scales")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    values: bytes
+    scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, position: _Optional[int] = ..., values: _Optional[bytes] = ..., scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("session_id", "step")

@@ -28,6 +28,7 @@ DOCUMENTED_CODES: dict[str, grpc.StatusCode] = {
     errors.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     errors.INTERNAL: grpc.StatusCode.INTERNAL,
     errors.STREAM_IDLE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.FEATURES_UNAVAILABLE: grpc.StatusCode.INVALID_ARGUMENT,
 }
 assert set(DOCUMENTED_CODES) == errors.REASONS, "every ErrorReason has a documented code"
 # Documented, but a verifier bug: a fuzzed input must never produce it.

@@ -142,6 +142,9 @@ def _add_head_parsers(sub) -> None:
     h.add_argument("--threads", type=int, default=0)
     h.add_argument("--lr-steps", type=int, default=0,
                    help="cosine horizon (default --steps); fix it to extend a run unchanged")
+    h.add_argument("--feature-codec", default="fp16",
+                   help="the wire form of the features the verifier sends (shared.feature_codec: "
+                        "fp16 or int8-g<G>); the head trains on its round trip")
 
     x = sub.add_parser("export-head", help="ONNX + int8 + MODEL_CARD.md + feature_head.json "
                                            "from a train-head run")
@@ -171,7 +174,7 @@ def _run_head(args) -> None:
             seed=args.seed, ckpt_every_s=args.ckpt_every_s,
             ckpt_every_steps=args.ckpt_every_steps, eval_every=args.eval_every,
             eval_samples=args.eval_samples, threads=args.threads, log_every=args.log_every,
-            lr_steps=args.lr_steps))
+            lr_steps=args.lr_steps, feature_codec=args.feature_codec))
     else:
         from edge_client.tools.distill.common import jsonable
         from edge_client.tools.distill.head_export import HeadExportConfig, export_head

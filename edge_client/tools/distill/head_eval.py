@@ -2,7 +2,7 @@
 
 Replayed along the target's greedy path (``Sample.gen_ids`` of a greedy row), as a Verify
 round would run: the round starts after committed token g_a with the feature that decided it
-(``Sample.features[a]``, through the int8 wire round trip), the head drafts up to K tokens,
+(``Sample.features[a]``, through the wire's round trip), the head drafts up to K tokens,
 the target accepts the matching prefix and adds one token, and the next round starts after
 that token with its own feature. alpha = accepted / judged, a round judging its drafts up to
 and including the first rejection (``edge_client.bench.acceptance``'s definition);
@@ -65,14 +65,16 @@ def greedy_rows(samples: Sequence[Sample]) -> list[Sample]:
     return [s for s in samples if not s.sampled and s.features is not None and len(s.gen_ids) > 1]
 
 
-def evaluate_torch(head, vmap, samples: Sequence[Sample], k: int = EVAL_DRAFT_LEN) -> dict:
-    """The metric for a torch head (training's held-out evaluation)."""
+def evaluate_torch(head, vmap, samples: Sequence[Sample], codec: str,
+                   k: int = EVAL_DRAFT_LEN) -> dict:
+    """The metric for a torch head (training's held-out evaluation), fed features through
+    the wire's round trip by ``codec``."""
     rows = greedy_rows(samples)
     full_to_sub = vmap.full_to_sub()
     out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
     counts, hits, total = [], np.zeros(k), np.zeros(k)
     for s in rows:
-        pred = chain_argmax(head, s, full_to_sub, out_full, k)  # [G-1, k] full ids
+        pred = chain_argmax(head, s, full_to_sub, out_full, k, codec)  # [G-1, k] full ids
         gen = s.gen_ids.astype(np.int64)
         for i in range(k):
             starts = np.arange(max(0, len(gen) - 1 - i))
@@ -83,18 +85,18 @@ def evaluate_torch(head, vmap, samples: Sequence[Sample], k: int = EVAL_DRAFT_LE
 
 
 def chain_argmax(head, s: Sample, full_to_sub: np.ndarray, out_full: np.ndarray,
-                 k: int) -> np.ndarray:
+                 k: int, codec: str) -> np.ndarray:
     """[G-1, k]: from every start a (after g_a, with features[a]), the head's argmax at chain
     steps 1..k, teacher-forced with g_{a}, g_{a+1}, ...; steps past the end are -1."""
     import torch
 
-    from edge_client.tools.distill.head_model import fake_int8
+    from edge_client.tools.distill.head_model import wire_round_trip
 
     gen = s.gen_ids.astype(np.int64)
     starts = np.arange(len(gen) - 1)
     cols = np.minimum(starts[:, None] + np.arange(k)[None, :], len(gen) - 1)  # [S, k]
     ids = torch.from_numpy(full_to_sub[gen[cols]])
-    feat = fake_int8(torch.from_numpy(s.features[starts].astype(np.float32)))  # [S, H]
+    feat = wire_round_trip(torch.from_numpy(s.features[starts].astype(np.float32)), codec)
     past_k, past_v = head.empty_cache(len(starts))
     pred = np.full((len(starts), k), -1, dtype=np.int64)
     with torch.inference_mode():
@@ -111,7 +113,6 @@ def evaluate_runtime(model_dir, samples: Sequence[Sample], k: int = EVAL_DRAFT_L
     """The metric for an exported head, through the edge runtime's own ``propose``."""
     from edge_client.drafter import DraftSampling
     from edge_client.feature_draft import FeatureHead, read_spec
-    from shared.feature_codec import quantize_feature
 
     head = FeatureHead(model_dir, read_spec(model_dir), intra_op_threads=threads)
     greedy, rng = DraftSampling(temperature=0.0), np.random.default_rng(0)
@@ -121,8 +122,8 @@ def evaluate_runtime(model_dir, samples: Sequence[Sample], k: int = EVAL_DRAFT_L
         gen = s.gen_ids.astype(np.int64)
 
         def drafts_at(a: int, n: int, s=s, gen=gen) -> list[int]:
-            q, scale = quantize_feature(s.features[a].astype(np.float32))
-            tokens = head.propose(q, scale, [int(gen[a])], n, greedy, rng).tokens
+            feature = head.codec.encode(s.features[a].astype(np.float32))
+            tokens = head.propose(feature, [int(gen[a])], n, greedy, rng).tokens
             for i, t in enumerate(tokens):
                 hits[i] += t == gen[a + 1 + i]
                 total[i] += 1

@@ -19,6 +19,7 @@ from edge_client.tools.distill.head_eval import evaluate_runtime, evaluate_torch
 from edge_client.tools.distill.head_model import (
     FEATURE_LAYER,
     TargetShape,
+    legacy_codec,
     load_head_run,
     target_fingerprint,
 )
@@ -47,6 +48,30 @@ class HeadExportConfig:
     # 103 real positions, weight-only int8 at none (measured). down_proj as in the draft.
     keep_fp32: tuple[str, ...] = ("down_proj", "lm_head")
     measure_target: bool = True
+
+
+def head_metadata(shape: TargetShape, vmap, fingerprint: str, codec: str, max_chain: int,
+                  target_name: str, trained_chain_len: int) -> dict:
+    """``feature_head.json``: what the runtime (``edge_client.feature_draft``) checks and
+    needs."""
+    return {
+        "kind": "feature-head",
+        "format": 1,
+        "feature_layer": FEATURE_LAYER,
+        "hidden_size": shape.hidden,
+        "feature_dtype": codec,  # a shared.feature_codec name
+        "target_fingerprint": fingerprint,
+        "target": target_name,
+        "vocab_size": vmap.full_vocab_size,
+        "sub_vocab": vmap.size,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "max_chain": max_chain,
+        "trained_chain_len": trained_chain_len,
+        "inputs": list(INPUTS),
+        "outputs": list(OUTPUTS),
+        "opset": OPSET,
+    }
 
 
 def export_onnx(head, path: Path) -> None:
@@ -90,34 +115,18 @@ def export_head(cfg: HeadExportConfig) -> dict:
     target_dir = Path(cfg.target) if cfg.target else Path(saved["target"])
     shape = TargetShape.from_dir(target_dir)
     fingerprint = target_fingerprint(target_dir)
+    codec = saved.get("feature_codec") or legacy_codec(shape.hidden)
     heldout = heldout_samples(cfg.heldout, cfg.eval_samples)
     results: dict = {}
     if heldout:
-        results["torch"] = evaluate_torch(head, vmap, heldout)
+        results["torch"] = evaluate_torch(head, vmap, heldout, codec)
     out = Path(cfg.out)
     with staging_dir(out) as staged:
         fp32_dir = run / "onnx-fp32"
         fp32_dir.mkdir(exist_ok=True)
         export_onnx(head, fp32_dir / "model.onnx")
-        meta = {
-            "kind": "feature-head",
-            "format": 1,
-            "feature_layer": FEATURE_LAYER,
-            "hidden_size": shape.hidden,
-            "feature_dtype": "int8",
-            "feature_scale": "float32 per vector: max|f| / 127 (shared.feature_codec)",
-            "target_fingerprint": fingerprint,
-            "target": target_dir.name,
-            "vocab_size": vmap.full_vocab_size,
-            "sub_vocab": vmap.size,
-            "kv_heads": shape.kv_heads,
-            "head_dim": shape.head_dim,
-            "max_chain": saved["arch"]["max_chain"],
-            "trained_chain_len": ck["train_config"]["chain_len"],
-            "inputs": list(INPUTS),
-            "outputs": list(OUTPUTS),
-            "opset": OPSET,
-        }
+        meta = head_metadata(shape, vmap, fingerprint, codec, saved["arch"]["max_chain"],
+                             target_dir.name, ck["train_config"]["chain_len"])
         for d in (fp32_dir, staged):
             write_json(d / "feature_head.json", meta)
             vmap.save(d / VOCAB_MAP_FILE)
@@ -147,15 +156,14 @@ def measure_head_step_ms(model_dir: Path, chains: int = 32, k: int = 4,
     """Median wall time of one chain step: chains of one known token and k greedy drafts."""
     from edge_client.drafter import DraftSampling
     from edge_client.feature_draft import FeatureHead, read_spec
-    from shared.feature_codec import quantize_feature
 
     head = FeatureHead(model_dir, read_spec(model_dir), intra_op_threads=threads)
     rng = np.random.default_rng(0)
     greedy, times = DraftSampling(), []
     for _ in range(chains):
-        q, scale = quantize_feature(rng.standard_normal(head.spec.hidden_size))
+        feature = head.codec.encode(rng.standard_normal(head.spec.hidden_size))
         before, t = head.steps_run, time.perf_counter()
-        head.propose(q, scale, [int(rng.integers(head.vocab_size))], k, greedy, rng)
+        head.propose(feature, [int(rng.integers(head.vocab_size))], k, greedy, rng)
         times.append((time.perf_counter() - t) / (head.steps_run - before))
     return round(1000 * float(np.median(times)), 3)
 
@@ -176,7 +184,7 @@ def head_card(head, vmap, saved: dict, ck: dict, meta: dict, results: dict,
         "## Target feature",
         "",
         f"- layer `{meta['feature_layer']}`, hidden {meta['hidden_size']}, "
-        f"{meta['feature_dtype']} + one float32 scale per vector",
+        f"wire codec `{meta['feature_dtype']}` (`shared.feature_codec`)",
         f"- target `{meta['target']}`, weights fingerprint `{meta['target_fingerprint']}` "
         "(`shared.fingerprint`); the runtime refuses any other",
         "",
@@ -194,8 +202,9 @@ def head_card(head, vmap, saved: dict, ck: dict, meta: dict, results: dict,
         "",
         f"- data: {', '.join(f'`{d}`' for d in as_dirs(tc['data']))}"
         f" ({len(st['shards'])} shards)",
-        f"- unrolled chains of {tc['chain_len']} steps from the int8 true feature, teacher "
-        f"tokens; loss KL + {tc['tv_weight']} TV + {tc['feature_weight']} smooth-L1(feature)",
+        f"- unrolled chains of {tc['chain_len']} steps from the true feature's wire round trip, "
+        f"teacher tokens; loss KL + {tc['tv_weight']} TV + {tc['feature_weight']} "
+        "smooth-L1(feature)",
         f"- steps {st['step']}, batch {tc['batch_size']} chains, {st['chain_steps_seen']:,} chain "
         f"steps, lr {tc['lr']} (AdamW, cosine), seed {saved.get('seed')}",
         f"- wall time {st['wall_s'] / 60:.1f} min training, {export_s / 60:.1f} min export",

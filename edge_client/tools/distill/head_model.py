@@ -3,10 +3,10 @@
 
 Notation: f_i is the target's hidden state after its final norm at position i (what its LM
 head reads; f_i decided token x_{i+1}). A verify result carries one of them, f_{m-1}, int8
-quantized (``shared.feature_codec``). The head then runs a chain, one step per position:
+encoded (``shared.feature_codec``). The head then runs a chain, one step per position:
 
     step j (chain position j = 0, 1, ...):  input (g_j, x_{m+j}) -> predicted f^_{m+j}
-    g_0 = f_{m-1} (true, int8 round trip), g_j = f^_{m+j-1} (its own prediction)
+    g_0 = f_{m-1} (true, the wire's round trip), g_j = f^_{m+j-1} (its own prediction)
 
 and the logits of step j are f^_{m+j} @ E_out^T, the target's own LM head restricted to the
 sub-vocabulary: the next token's distribution. Known tokens after x_m (a feature a round late,
@@ -96,13 +96,21 @@ def target_fingerprint(target_dir: Path) -> str:
     return weights_fingerprint(target_tensors(target_dir, names), layers)
 
 
-def fake_int8(f):
-    """The wire's int8 round trip (``shared.feature_codec``) in torch: [..., H] -> [..., H]."""
+def wire_round_trip(f, codec: str):
+    """The wire's round trip of features ``f`` [..., H] (a torch tensor of data, no gradient
+    through it) by ``shared.feature_codec``'s own numpy code, so that the head trains on
+    exactly what the verifier will send it."""
     import torch
 
-    top = f.detach().abs().amax(-1, keepdim=True)
-    scale = torch.where(top > 0, top / 127.0, torch.ones_like(top))
-    return torch.clamp(torch.round(f / scale), -127, 127) * scale
+    from shared.feature_codec import codec_named
+
+    back = codec_named(codec).round_trip(f.detach().float().cpu().numpy())
+    return torch.from_numpy(back).to(f.device)
+
+
+def legacy_codec(hidden: int) -> str:
+    """The codec of runs made before it was recorded: one absmax scale per vector."""
+    return f"int8-g{hidden}"
 
 
 def _modules():

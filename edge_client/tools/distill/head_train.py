@@ -3,7 +3,8 @@ as it is used.
 
 Every step draws ``batch_size`` chain starts uniformly over all positions of the data: a start
 is a generated token g_a with the feature that decided it, f = ``Sample.features[a]``. The
-chain runs ``chain_len`` steps unrolled: step 1 reads (int8 round trip of f, g_a), every later
+chain runs ``chain_len`` steps unrolled: step 1 reads (the wire's round trip of f, g_a), every
+later
 step reads the head's own previous predicted feature and the next teacher token
 (g_{a+1}, ...: the target's own tokens), as on the edge, where the first steps may be known
 tokens replayed (a feature a round late) and the rest are drafts. Gradients flow through the
@@ -43,14 +44,17 @@ from edge_client.tools.distill.common import (
 from edge_client.tools.distill.head_eval import evaluate_torch
 from edge_client.tools.distill.head_model import (
     HeadArch,
+    TargetShape,
     build_head,
-    fake_int8,
     head_arch_from_json,
+    legacy_codec,
     save_run_meta,
+    wire_round_trip,
 )
 from edge_client.tools.distill.shards import Sample, heldout_samples, list_shards, load_samples
 from edge_client.tools.distill.train import _lr_at, _StopFlag, distill_loss
 from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap, build_vocab_map
+from shared.feature_codec import DEFAULT_CODEC, codec_named
 
 log = logging.getLogger("edgespec.distill")
 
@@ -79,12 +83,14 @@ class HeadTrainConfig:
     threads: int = 0
     log_every: int = 10
     lr_steps: int = 0  # the cosine's horizon; 0: ``steps``
+    # The wire form the verifier sends (shared.feature_codec); fixed at a run's start.
+    feature_codec: str = DEFAULT_CODEC
 
 
 @dataclass
 class ChainBatch:
     ids: object  # torch.LongTensor [B, L] draft ids of g_a .. g_{a+L-1}
-    start_features: object  # [B, H] features[a] (true, before the int8 round trip)
+    start_features: object  # [B, H] features[a] (true, before the wire's round trip)
     target_features: object  # [B, L, H] features[a+1 .. a+L]
     teacher_ids: object  # [B, L, k] head output indices (0 where invalid)
     teacher_p: object  # [B, L, k] p over in-subset ids, renormalised; 0 where invalid
@@ -134,11 +140,11 @@ def make_chain_batch(samples: Sequence[Sample], starts: Sequence[tuple[int, int]
     return ChainBatch(*(torch.from_numpy(x) for x in (ids, f0, tf, t_ids, t_p, valid)))
 
 
-def chain_loss(head, batch: ChainBatch, tv_weight: float, feature_weight: float):
+def chain_loss(head, batch: ChainBatch, tv_weight: float, feature_weight: float, codec: str):
     """-> (loss, {"kl", "tv", "feature"} detached), means over the valid chain steps."""
     import torch
 
-    feat = fake_int8(batch.start_features)  # the wire's int8 round trip
+    feat = wire_round_trip(batch.start_features, codec)
     past_k, past_v = head.empty_cache(batch.ids.shape[0])
     logits, preds = [], []
     for j in range(batch.ids.shape[1]):
@@ -195,6 +201,10 @@ def train_head(cfg: HeadTrainConfig) -> dict:
             log.warning("run %s was started with %s; keeping it (ignoring %s)", run, arch,
                         cfg.arch)
         vmap = VocabMap.load(run / VOCAB_MAP_FILE)
+        codec = (saved.get("feature_codec")
+                 or legacy_codec(TargetShape.from_dir(target_dir).hidden))
+        if codec != cfg.feature_codec:
+            log.warning("run %s was started with feature codec %s; keeping it", run, codec)
     else:
         arch = cfg.arch
         target_dir = Path(cfg.target) if cfg.target is not None else default_target()
@@ -203,7 +213,9 @@ def train_head(cfg: HeadTrainConfig) -> dict:
                                 always=special_ids(target_dir))
                 if 0 < arch.sub_vocab < full_vocab else VocabMap.identity(full_vocab))
         vmap.save(run / VOCAB_MAP_FILE)
-        save_run_meta(run, arch, target_dir, cfg.seed, {"created": time.strftime("%F %T")})
+        codec = codec_named(cfg.feature_codec).name  # refuses an unknown name now
+        save_run_meta(run, arch, target_dir, cfg.seed, {"created": time.strftime("%F %T"),
+                                                        "feature_codec": codec})
     full_to_sub = vmap.full_to_sub()
     full_to_head = np.full(vmap.full_vocab_size, -1, dtype=np.int64)
     real = vmap.sub_to_full >= 0
@@ -237,7 +249,7 @@ def train_head(cfg: HeadTrainConfig) -> dict:
 
     def evaluate_heldout(step: int) -> None:
         head.eval()
-        res = evaluate_torch(head, vmap, heldout)
+        res = evaluate_torch(head, vmap, heldout, codec)
         head.train()
         log.info("heldout @%d: greedy_alpha %s tokens/round %s step accuracy %s (%d rows)",
                  step, res["greedy_alpha"], res["tokens_per_round"], res["step_accuracy"],
@@ -255,7 +267,7 @@ def train_head(cfg: HeadTrainConfig) -> dict:
             batch = make_chain_batch(samples, starts, cfg.chain_len, full_to_sub, full_to_head)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, cfg)
-            loss, parts = chain_loss(head, batch, cfg.tv_weight, cfg.feature_weight)
+            loss, parts = chain_loss(head, batch, cfg.tv_weight, cfg.feature_weight, codec)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

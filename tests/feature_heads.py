@@ -1,0 +1,46 @@
+"""Feature heads for tests: an untrained head over the tiny target, exported as the edge loads
+it (ONNX fp32, ``feature_head.json``, ``vocab_map.npz``). Its drafts are poor, which is all a
+correctness test needs: whatever the head proposes, the output must be the target's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.tools.distill.common import write_json
+from edge_client.tools.distill.head_export import export_onnx, head_metadata
+from edge_client.tools.distill.head_model import (
+    HeadArch,
+    TargetShape,
+    build_head,
+    target_fingerprint,
+)
+from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
+from shared.feature_codec import DEFAULT_CODEC
+
+SUB_VOCAB = 48  # of the tiny 96 ids: 47 real ones and the <unk> input slot
+
+
+def export_untrained_head(target_dir: Path, out: Path, codec: str = DEFAULT_CODEC,
+                          fingerprint: str | None = None, max_chain: int = 16,
+                          seed: int = 0) -> Path:
+    """A head over the first 47 ids of the tiny target (others enter as <unk> and are never
+    proposed); ``fingerprint`` overrides the target's (a head for other weights)."""
+    import torch
+
+    shape = TargetShape.from_dir(target_dir)
+    ids = np.arange(SUB_VOCAB, dtype=np.int64)
+    ids[-1] = -1
+    vmap = VocabMap(ids, shape.vocab)
+    arch = HeadArch(sub_vocab=SUB_VOCAB, intermediate=64, max_chain=max_chain)
+    head = build_head(arch, target_dir, vmap, seed).eval()
+    with torch.no_grad():  # an init large enough that its drafts differ from step to step
+        head.fc.weight.normal_(0, 0.4)
+    out.mkdir(parents=True, exist_ok=True)
+    export_onnx(head, out / "model.onnx")
+    write_json(out / "feature_head.json",
+               head_metadata(shape, vmap, fingerprint or target_fingerprint(target_dir), codec,
+                             max_chain, target_dir.name, 0))
+    vmap.save(out / VOCAB_MAP_FILE)
+    return out

@@ -38,3 +38,30 @@ def test_acceptance_at_temperature_is_one_minus_tv():
     assert accept_at(p, q, 0.7) == pytest.approx(1 - 0.5 * np.abs(sp - sq).sum())
     assert accept_sparse(p, (np.array([1, 2]), sq[1:] / sq[1:].sum()), 0.7) == pytest.approx(
         min(sp[1], sq[1] / sq[1:].sum()) + min(sp[2], sq[2] / sq[1:].sum()))
+
+
+def test_the_bench_runs_both_drafts_on_the_realistic_set(tiny_llama_pair, tmp_path):
+    """End to end on the tiny pair with an untrained head: both drafts replay the same paths
+    (same committed tokens), the head pays one draft-free first round per prompt, and the
+    report holds every figure per category."""
+    import json
+
+    from feature_heads import export_untrained_head
+
+    from edge_client.bench.eval_set import CATEGORIES
+    from edge_client.bench.feature_acceptance import main
+
+    head = export_untrained_head(tiny_llama_pair.target_dir, tmp_path / "head")
+    out = tmp_path / "fa.json"
+    assert main(["--head", str(head), "--draft-dir", str(tiny_llama_pair.draft_dir),
+                 "--target", str(tiny_llama_pair.target_dir), "--per-category", "1",
+                 "--max-new-tokens", "6", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["by_category"]) == set(CATEGORIES)
+    ind, feat = report["overall"]["independent"], report["overall"]["feature_head"]
+    assert ind["tokens"] == feat["tokens"] > 0
+    assert feat["rounds"] >= len(CATEGORIES) + 1  # at least the first rounds, and one more
+    for s in (ind, feat):
+        assert 0 <= s["greedy_alpha"] <= 1 and 0 < s["accept_t0.7"] <= 1
+        assert s["forwards_per_token"] == round(s["rounds"] / s["tokens"], 4)
+    assert report["step_ms"]["feature_head"] > 0 and report["bytes_on_disk"]["feature_head"] > 0

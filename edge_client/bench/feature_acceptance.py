@@ -139,12 +139,10 @@ class HeadRunner:
 
     def drafts(self, feature: np.ndarray, tail: list[int], n: int) -> list[int]:
         from edge_client.drafter import DraftSampling
-        from shared.feature_codec import quantize_feature
 
-        values, scale = quantize_feature(feature)
+        encoded = self.head.codec.encode(feature)
         before, t0 = self.head.steps_run, time.perf_counter()
-        p = self.head.propose(values, scale, tail, n, DraftSampling(),
-                              np.random.default_rng(0))
+        p = self.head.propose(encoded, tail, n, DraftSampling(), np.random.default_rng(0))
         if self.head.steps_run > before:
             self.step_s.append((time.perf_counter() - t0) / (self.head.steps_run - before))
         return p.tokens
@@ -153,10 +151,8 @@ class HeadRunner:
         """The head's distribution at TEMPERATURE for the token after ``token``: (ids,
         probs), its whole support (zero outside its sub-vocabulary)."""
         from edge_client.drafter import DraftSampling
-        from shared.feature_codec import quantize_feature
 
-        values, scale = quantize_feature(feature)
-        p = self.head.propose(values, scale, [int(token)], 1,
+        p = self.head.propose(self.head.codec.encode(feature), [int(token)], 1,
                               DraftSampling(TEMPERATURE, 0, 1.0, 0), np.random.default_rng(0))
         return p.q[0]
 

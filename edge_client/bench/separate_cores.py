@@ -5,6 +5,11 @@ second of speculative generation (Verify rounds and lookahead) against cloud-onl
 (Generate) from the same verifier, over prompts of the realistic evaluation set.
 
     python -m edge_client.bench.separate_cores --per-category 2 --json PATH
+    python -m edge_client.bench.separate_cores --feature-head DIR ...   # + the feature head
+
+With ``--feature-head`` two more clients take their turn on every prompt: Verify rounds and
+lookahead drafting with the feature head (``drafter="feature"``) instead of the independent
+draft, against the same verifier (which must serve features: the default).
 
 Greedy, so every protocol commits the same tokens; tokens/s counts the generation from its
 first message to its last token. Needs two cores (``os.sched_setaffinity``).
@@ -40,8 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, default=4)
     p.add_argument("--rtt-ms", type=float, default=0.0, help="injected round-trip time")
+    p.add_argument("--feature-head", type=Path, default=None, metavar="DIR",
+                   help="also run rounds and lookahead with this feature head")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
+    runs = {name: (name, "model") for name in PROTOCOLS}
+    if args.feature_head is not None:
+        runs |= {"rounds+feature": ("rounds", "feature"),
+                 "lookahead+feature": ("lookahead", "feature")}
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("separate_cores needs two cores")
     prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
@@ -49,24 +60,32 @@ def main(argv: list[str] | None = None) -> int:
     proc = local_verifier.spawn(port, args.model, ["--threads", "1"])
     os.sched_setaffinity(proc.pid, {1})
     os.sched_setaffinity(0, {0})
-    results: dict[str, list[float]] = {name: [] for name in PROTOCOLS}
-    forwards: dict[str, list[float]] = {name: [] for name in PROTOCOLS}
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    forwards: dict[str, list[float]] = {name: [] for name in runs}
+    bytes_down: dict[str, list[float]] = {name: [] for name in runs}
+    bytes_up: dict[str, list[float]] = {name: [] for name in runs}
     try:
         local_verifier.wait_serving(f"127.0.0.1:{port}", proc)
-        config = GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
-                                  ignore_eos=True)
-        clients = {name: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=name,
-                                    rtt_ms=args.rtt_ms, intra_op_threads=1)
-                   for name in PROTOCOLS}
+        configs = {kind: GenerationConfig(max_new_tokens=args.max_new_tokens,
+                                          draft_len=args.draft_len, ignore_eos=True,
+                                          drafter=kind) for kind in ("model", "feature")}
+        clients = {name: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=protocol,
+                                    rtt_ms=args.rtt_ms, intra_op_threads=1,
+                                    feature_head=args.feature_head if kind == "feature"
+                                    else None)
+                   for name, (protocol, kind) in runs.items()}
         try:
             for prompt in prompts:  # the protocols take turns on each prompt
                 outputs = []
                 for name, client in clients.items():
-                    gen = client.generate(_prompt_ids(client, prompt), config)
+                    gen = client.generate(_prompt_ids(client, prompt), configs[runs[name][1]])
                     list(gen)
                     outputs.append(gen.token_ids)
-                    results[name].append(gen.stats.new_tokens / gen.stats.wall_s)
-                    forwards[name].append(gen.stats.target_forwards / gen.stats.new_tokens)
+                    st = gen.stats
+                    results[name].append(st.new_tokens / st.wall_s)
+                    forwards[name].append(st.target_forwards / st.new_tokens)
+                    bytes_down[name].append(st.bytes_down / st.new_tokens)
+                    bytes_up[name].append(st.bytes_up / st.new_tokens)
                 if any(out != outputs[-1] for out in outputs):
                     print(f"warning: {prompt.id}: protocols committed different text "
                           "(a near tie in the target's logits)")
@@ -80,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
               "draft_len": args.draft_len, "rtt_ms": args.rtt_ms,
               "tokens_per_s_median": {k: statistics.median(v) for k, v in results.items()},
               "target_forwards_per_token_mean": {k: statistics.fmean(v)
-                                                 for k, v in forwards.items()}}
+                                                 for k, v in forwards.items()},
+              "bytes_down_per_token_mean": {k: statistics.fmean(v)
+                                            for k, v in bytes_down.items()},
+              "bytes_up_per_token_mean": {k: statistics.fmean(v) for k, v in bytes_up.items()}}
     report["vs_cloud"] = {k: v / cloud for k, v in report["tokens_per_s_median"].items()}
-    for name in PROTOCOLS:
-        print(f"{name:9s} {report['tokens_per_s_median'][name]:6.1f} tok/s (median of "
+    for name in runs:
+        print(f"{name:17s} {report['tokens_per_s_median'][name]:6.1f} tok/s (median of "
               f"{len(prompts)}), {report['vs_cloud'][name]:.2f}x cloud-only, "
-              f"{report['target_forwards_per_token_mean'][name]:.3f} target forwards/token")
+              f"{report['target_forwards_per_token_mean'][name]:.3f} target forwards/token, "
+              f"{report['bytes_down_per_token_mean'][name]:.0f} B down and "
+              f"{report['bytes_up_per_token_mean'][name]:.0f} B up per token")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

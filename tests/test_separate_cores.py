@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_it_reports_every_protocol_against_cloud_only(tiny_llama_pair, tmp_path):
-    out = tmp_path / "cores.json"
-    code = ("from edge_client.bench.separate_cores import main\n"
-            f"raise SystemExit(main(['--model', {str(tiny_llama_pair.target_dir)!r}, "
-            f"'--draft-dir', {str(tiny_llama_pair.draft_dir)!r}, '--per-category', '1', "
-            f"'--max-new-tokens', '12', '--json', {str(out)!r}]))")
-    import subprocess
-    import sys
 
-    # Its own process: the benchmark pins itself to core 0.
+def run_bench(tiny_llama_pair, out, *extra: str) -> dict:
+    """The benchmark in its own process (it pins itself to core 0); its JSON report."""
+    args = ["--model", str(tiny_llama_pair.target_dir), "--draft-dir",
+            str(tiny_llama_pair.draft_dir), "--per-category", "1", *extra, "--json", str(out)]
+    code = f"from edge_client.bench.separate_cores import main\nraise SystemExit(main({args!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_it_reports_every_protocol_against_cloud_only(tiny_llama_pair, tmp_path):
+    report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "12")
     assert report["prompts"] == 8
     rates = report["tokens_per_s_median"]
     assert set(rates) == {"rounds", "lookahead", "cloud"} and min(rates.values()) > 0
@@ -32,27 +34,15 @@ def test_it_reports_every_protocol_against_cloud_only(tiny_llama_pair, tmp_path)
     assert forwards["cloud"] == pytest.approx(1.0) and forwards["rounds"] <= 1.0
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_with_a_feature_head_it_also_runs_the_head_in_both_drafting_protocols(
         tiny_llama_pair, tmp_path):
     """--feature-head adds rounds+feature and lookahead+feature; the head's downlink carries
     the features, so its bytes down per token exceed the independent draft's rounds."""
-    import subprocess
-    import sys
-
     from feature_heads import export_untrained_head
 
     head = export_untrained_head(tiny_llama_pair.target_dir, tmp_path / "head")
-    out = tmp_path / "cores.json"
-    code = ("from edge_client.bench.separate_cores import main\n"
-            f"raise SystemExit(main(['--model', {str(tiny_llama_pair.target_dir)!r}, "
-            f"'--draft-dir', {str(tiny_llama_pair.draft_dir)!r}, '--per-category', '1', "
-            f"'--max-new-tokens', '8', '--feature-head', {str(head)!r}, "
-            f"'--json', {str(out)!r}]))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    report = json.loads(out.read_text())
+    report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "8",
+                       "--feature-head", str(head))
     assert set(report["tokens_per_s_median"]) == {
         "rounds", "lookahead", "cloud", "rounds+feature", "lookahead+feature"}
     down = report["bytes_down_per_token_mean"]

@@ -221,7 +221,7 @@ def test_sampled_feature_drafts_follow_the_target_distribution(verifier, tiny_ll
 
     n = 2000 generations (seeds 0..1999) at temperature 1, top-k 4, K = 2, against the exact
     target law sum_a p(a) p(b | a) p(c | a, b). Per bin |count - n p| <= 6 sqrt(n p (1 - p)) +
-    5, and a pair with p = 0 never appears.
+    5, and a pair with p = 0 never appears; and the bound rejects the head's own law (power).
     """
     n, params = 2000, SamplingParams(temperature=1.0, top_k=4)
     vocab = target.vocab_size
@@ -252,6 +252,44 @@ def test_sampled_feature_drafts_follow_the_target_distribution(verifier, tiny_ll
     bound = 6 * np.sqrt(n * joint * (1 - joint)) + 5
     worst = np.max(np.abs(counts - expected) - bound)
     assert worst <= 0, f"a bin is off by {worst:.1f} beyond its bound"
+    # The test has power: had tokens 2 and 3 followed the head's own law, it would fail.
+    head_joint = _head_joint(target, head_dir, p1.numpy(), temperature=1.0, top_k=4)
+    assert head_joint.sum() == pytest.approx(1.0, abs=1e-5)
+    assert np.max(np.abs(n * head_joint - expected) - bound) > 0
+
+
+def _head_joint(target, head_dir, p1: np.ndarray, temperature: float,
+                top_k: int) -> np.ndarray:
+    """The law of tokens 2 and 3 had they been the head's own samples: token 1 from the
+    target (the open's round), then the head's chain from the feature that decided it."""
+    from edge_client.drafter import DraftSampling
+    from edge_client.feature_draft import FeatureHead, read_spec
+
+    head = FeatureHead(head_dir, read_spec(head_dir))
+    captured = []
+    hook = target.model.model.norm.register_forward_hook(
+        lambda _m, _i, out: captured.append(out[0, -1].detach().float().numpy()))
+    try:
+        with torch.no_grad():
+            target.model(torch.tensor([PROMPT]))
+    finally:
+        hook.remove()
+    feature = head.codec.encode(captured[-1])
+    sampling = DraftSampling(temperature, top_k, 1.0, 0)
+    rng = np.random.default_rng(0)
+
+    def law(tail: list[int]) -> np.ndarray:
+        ids, probs = head.propose(feature, tail, 1, sampling, rng).q[0]
+        dense = np.zeros(len(p1))
+        dense[ids] = probs
+        return dense
+
+    joint = np.zeros((len(p1), len(p1)))
+    for a in np.flatnonzero(p1):
+        q2 = law([int(a)])
+        for b in np.flatnonzero(q2):
+            joint[b] += p1[a] * q2[b] * law([int(a), int(b)])
+    return joint
 
 
 def _batching_run(target, batched: bool, features: bool) -> tuple[list, list]:

@@ -105,10 +105,11 @@ class GenerationConfig:
     # then raise VerifierUnavailable) or "draft-only" (the draft goes on alone, its tokens
     # marked unverified, and they are verified when the verifier is back; edge_client.core).
     fallback: str = FAIL
-    # A latency budget: past it a generation (or a document's suggestion) ends with the
-    # verified tokens it has, plus the draft's unverified continuation: the drafts on their
-    # way to the verifier, and with fallback="draft-only" the draft alone up to
-    # max_new_tokens. None: no budget.
+    # A latency budget: past it a generation ends with the verified tokens it has, plus the
+    # draft's unverified continuation: the drafts on their way to the verifier, and with
+    # fallback="draft-only" the draft alone up to max_new_tokens. A document's suggestion
+    # (edge_client.document) is bounded by it: no drafting alone past it unless the
+    # suggestion would be empty. None: no budget.
     budget_ms: float | None = None
 
     def __post_init__(self) -> None:

@@ -246,13 +246,15 @@ class AsyncEdgeClient:
         return tuple(self.info.eos_token_ids if self.info is not None
                      else self.tokenizer.eos_token_ids)
 
-    async def reach_verifier(self) -> bool:
+    async def reach_verifier(self, required: bool = False) -> bool:
         """Whether the client has its verifier. One that came up without it asks again;
-        False while it is unreachable."""
+        False while it is unreachable, or with ``required`` its VerifierUnavailable."""
         if self.info is None:
             try:
                 await self.refresh_info()
             except VerifierUnavailable:
+                if required:
+                    raise
                 return False
         return True
 
@@ -320,8 +322,7 @@ class AsyncGeneration:
 
     async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
-        if not await client.reach_verifier() and cfg.fallback != DRAFT_ONLY:
-            raise VerifierUnavailable(f"the verifier at {client.conn.address} is unreachable")
+        await client.reach_verifier(required=cfg.fallback != DRAFT_ONLY)
         adaptive = cfg.follow_suggested_draft_len is True
         features = cfg.drafter == FEATURE
         state = GenerationState(self.prompt_ids, cfg.session_params(),

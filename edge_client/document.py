@@ -58,7 +58,6 @@ from edge_client.core import (
     unverified_delivery,
 )
 from edge_client.drafter import DraftSampling
-from edge_client.errors import VerifierUnavailable
 from edge_client.generation_state import ROUNDS, GenerationState
 from edge_client.session_streams import SessionKeeper
 
@@ -197,10 +196,11 @@ class AsyncDocument:
             cancelled, spent = await self._verified(state, stats, run, deadline)
         else:  # the client came up without its verifier: the draft suggests alone
             cancelled = False
-        # Past the budget the draft only fills a suggestion that would be empty, one round.
-        rest = not spent or not (run.verified or run.unverified)
-        if (self.config.fallback == DRAFT_ONLY or spent) and rest and not cancelled \
-                and not run.complete:
+        # Past the budget the draft fills only a suggestion that would be empty, one round;
+        # otherwise only with the draft-only fallback (the verifier unreachable).
+        fill = (not (run.verified or run.unverified)) if spent else \
+            self.config.fallback == DRAFT_ONLY
+        if fill and not cancelled and not run.complete:
             # Unreachable (or an empty suggestion past its budget): the draft completes the
             # suggestion alone. It is the suggestion in flight until it returns, so that a
             # newer suggest() stops it before editing the state it is drafting on.
@@ -222,10 +222,7 @@ class AsyncDocument:
         the document's state takes its limits. Unreachable: False with the draft-only
         fallback, else VerifierUnavailable."""
         client = self.client
-        if not await client.reach_verifier():
-            if self.config.fallback != DRAFT_ONLY:
-                raise VerifierUnavailable(f"the verifier at {client.conn.address} is "
-                                          "unreachable")
+        if not await client.reach_verifier(required=self.config.fallback != DRAFT_ONLY):
             return False
         if self._offline and self._state is not None:
             self._state.limits = client.limits(self.config.draft_len)

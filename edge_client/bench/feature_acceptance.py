@@ -90,21 +90,12 @@ def _median_ms(seconds: list[float]) -> float | None:
 
 def replay(drafts_after: DraftsAfter, path: list[int], k: int, start: int = 0) -> Counts:
     """Greedy rounds along ``path`` once ``start`` of its tokens are committed (the rounds
-    that committed them are the caller's to count)."""
-    c, t = Counts(), start
-    while t < len(path):
-        n = min(k, len(path) - t)
-        drafts = drafts_after(t, n)[:n]
-        good = 0
-        while good < len(drafts) and drafts[good] == path[t + good]:
-            good += 1
-        c.accepted += good
-        c.judged += good + 1 if good < n else n
-        step = min(good + 1, len(path) - t)
-        c.tokens += step
-        c.rounds += 1
-        t += step
-    return c
+    that committed them are the caller's to count): ``head_eval.replay_rounds``."""
+    from edge_client.tools.distill.head_eval import replay_rounds
+
+    counts = replay_rounds(lambda a, n: drafts_after(a + 1, n), np.asarray(path), k,
+                           committed=start)
+    return Counts(**counts)
 
 
 def _softmax(logits: np.ndarray, temperature: float) -> np.ndarray:

@@ -28,15 +28,18 @@ EVAL_DRAFT_LEN = 4
 DraftsAt = Callable[[int, int], Sequence[int]]
 
 
-def replay_rounds(drafts_at: DraftsAt, gen_ids: np.ndarray, k: int) -> dict:
-    """Counts of greedy Verify rounds along ``gen_ids``, starting after gen_ids[0]."""
-    a, last = 0, len(gen_ids) - 1
+def replay_rounds(drafts_at: DraftsAt, gen_ids: np.ndarray, k: int,
+                  committed: int = 1) -> dict:
+    """Counts of greedy Verify rounds along ``gen_ids`` once its first ``committed`` tokens
+    are (by default after gen_ids[0]; 0: from the prompt, start a = -1). ``drafts_at`` may
+    return fewer than n drafts (a proposal that stopped at its first mismatch)."""
+    a, last = committed - 1, len(gen_ids) - 1
     accepted = judged = rounds = tokens = 0
     while a < last:
         n = min(k, last - a)
-        drafts = list(drafts_at(a, n))
+        drafts = list(drafts_at(a, n))[:n]
         good = 0
-        while good < n and drafts[good] == int(gen_ids[a + 1 + good]):
+        while good < len(drafts) and drafts[good] == int(gen_ids[a + 1 + good]):
             good += 1
         accepted += good
         judged += good + 1 if good < n else n

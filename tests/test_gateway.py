@@ -251,7 +251,28 @@ def test_generations_and_documents_stick_to_one_replica(cluster, tiny_llama_pair
     gateway, replicas = cluster
     documents, sessions = 4, 3
 
-    async def run() -> dict[int, list[int]]:
+    async def generate_once(client, prompt: list[int], key: str, tokens: int):
+        """One generation routed by ``key``; the replica that served it, counted from the
+        replicas' own metrics, and its tokens. Asserts no other replica saw any of it."""
+        names = ("edgespec_verify_rounds_total", "edgespec_spec_decode_num_emitted_tokens_total",
+                 "edgespec_prefix_cache_hits_total")
+        before = [counters(replicas, n) for n in names]
+        gen = client.generate(prompt, GenerationConfig(max_new_tokens=tokens, ignore_eos=True),
+                              routing_key=key)
+        async for _ in gen:
+            pass
+        assert len(gen.token_ids) == tokens
+        d_rounds, d_emitted, d_hits = ([a - b for a, b in zip(counters(replicas, n), was,
+                                                               strict=True)]
+                                       for n, was in zip(names, before, strict=True))
+        where = [i for i, n in enumerate(d_rounds) if n]
+        assert len(where) == 1, (key, d_rounds)
+        i = where[0]
+        assert d_rounds[i] == gen.stats.rounds, (key, d_rounds, gen.stats)
+        assert d_emitted == [tokens if j == i else 0 for j in range(REPLICAS)]
+        return i, gen.token_ids, d_hits[i]
+
+    async def run() -> tuple[dict[int, list[int]], list[int]]:
         placed: dict[int, list[int]] = {}
         async with AsyncEdgeClient(gateway.address, tiny_llama_pair.draft_dir,
                                    protocol="rounds") as client:
@@ -259,39 +280,27 @@ def test_generations_and_documents_stick_to_one_replica(cluster, tiny_llama_pair
                 key = document_routing_key(f"notes-{d}")
                 prompt = [3 + (7 * d + i) % 90 for i in range(10)]
                 for s in range(sessions):
-                    rounds, emitted, hits = (counters(replicas, n) for n in (
-                        "edgespec_verify_rounds_total",
-                        "edgespec_spec_decode_num_emitted_tokens_total",
-                        "edgespec_prefix_cache_hits_total"))
-                    gen = client.generate(prompt, GenerationConfig(max_new_tokens=8,
-                                                                   ignore_eos=True),
-                                          routing_key=key)
-                    async for _ in gen:
-                        pass
-                    assert len(gen.token_ids) == 8
-                    d_rounds = [a - b for a, b in zip(counters(
-                        replicas, "edgespec_verify_rounds_total"), rounds, strict=True)]
-                    d_emitted = [a - b for a, b in zip(counters(
-                        replicas, "edgespec_spec_decode_num_emitted_tokens_total"), emitted,
-                        strict=True)]
-                    d_hits = [a - b for a, b in zip(counters(
-                        replicas, "edgespec_prefix_cache_hits_total"), hits, strict=True)]
-                    where = [i for i, n in enumerate(d_rounds) if n]
-                    assert len(where) == 1, (d, s, d_rounds)
-                    i = where[0]
-                    assert d_rounds[i] == gen.stats.rounds, (d, s, d_rounds, gen.stats)
-                    assert d_emitted == [8 if j == i else 0 for j in range(REPLICAS)]
+                    i, tokens, hits = await generate_once(client, prompt, key, 8)
                     placed.setdefault(d, []).append(i)
                     if s:  # the previous session's prompt came from this replica's cache
-                        assert d_hits[i] >= len(prompt) - 5, (d, s, d_hits, len(prompt))
-                    prompt = prompt + gen.token_ids[:2] + [3 + (d + s + j) % 90
-                                                          for j in range(3)]
-        return placed
+                        assert hits >= len(prompt) - 5, (d, s, hits, len(prompt))
+                    prompt = prompt + tokens[:2] + [3 + (d + s + j) % 90 for j in range(3)]
+            # The ring spreads keys over replicas. Where it sends a key depends on the
+            # replicas' (random) ports, so these four can share one replica (1 in 27 on an
+            # even ring): then more keys, one token each, until one lands elsewhere. 20 of
+            # them all on the same replica has odds under 1e-4 even if it held 60% of the ring.
+            spread = [p[0] for p in placed.values()]
+            for extra in range(20):
+                if len(set(spread)) > 1:
+                    break
+                i, _, _ = await generate_once(client, [5, 6, 7],
+                                              document_routing_key(f"spread-{extra}"), 1)
+                spread.append(i)
+        return placed, spread
 
-    placed = asyncio.run(run())
+    placed, spread = asyncio.run(run())
     assert all(len(set(p)) == 1 for p in placed.values()), placed
-    # The ring spreads documents: with these four keys, over more than one replica.
-    assert len({p[0] for p in placed.values()}) > 1, placed
+    assert len(set(spread)) > 1, spread
 
 
 FLEET = {"clients": 6, "workload": "chat", "profile": "none", "chat_tokens": 24,

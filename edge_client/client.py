@@ -111,6 +111,11 @@ class GenerationConfig:
     # (edge_client.document) is bounded by it: no drafting alone past it unless the
     # suggestion would be empty. None: no budget.
     budget_ms: float | None = None
+    # Documents only: a suggestion waits this long for the typing to settle before it sends
+    # any work; a newer keystroke (or cancel()) in that time ends it with no RPC and no
+    # forward. An IME typing 80-200 ms a key then pays the verifier for the keys the user
+    # pauses after, not for every key. Counted within budget_ms. 0: send at once.
+    settle_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -118,6 +123,8 @@ class GenerationConfig:
                              f"got {self.fallback!r}")
         if self.budget_ms is not None and not self.budget_ms > 0:
             raise ValueError("budget_ms must be > 0 (or None)")
+        if not self.settle_ms >= 0:
+            raise ValueError("settle_ms must be >= 0")
         if self.drafter not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, "
                              f"got {self.drafter!r}")

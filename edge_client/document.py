@@ -22,6 +22,10 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   when the budget is spent with the verified tokens it has, plus, as ``unverified_ids``, the
   drafts that were on their way to the verifier; the draft does not go on past the budget
   (it drafts one round alone only when the suggestion would otherwise be empty).
+- **Settle.** With ``settle_ms`` (per call, or ``GenerationConfig.settle_ms``) a suggestion
+  first waits that long for the typing to settle: a newer ``suggest`` (the next key) or
+  ``cancel()`` in that time ends it, cancelled, before any RPC, so keys typed in a burst cost
+  the verifier nothing and the key the user pauses after gets the suggestion.
 - **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
   is unreachable is completed by the draft alone, marked unverified. The next suggestion
   over the same text (or a text that took some of those tokens) sends the rest of them
@@ -166,7 +170,8 @@ class AsyncDocument:
         self._keeper.drop()
 
     async def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
-                      budget_ms: float | None = None) -> Suggestion:
+                      budget_ms: float | None = None,
+                      settle_ms: float | None = None) -> Suggestion:
         """A suggestion after ``text_or_ids``, the field's whole current text."""
         t0 = time.perf_counter()
         self._loop = asyncio.get_running_loop()
@@ -177,16 +182,22 @@ class AsyncDocument:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         budget_ms = budget_ms if budget_ms is not None else self.config.budget_ms
+        settle_ms = settle_ms if settle_ms is not None else self.config.settle_ms
+        if budget_ms is not None and not budget_ms > 0:
+            raise ValueError("budget_ms must be > 0 (or None)")
+        if not settle_ms >= 0:
+            raise ValueError("settle_ms must be >= 0")
         self._calls += 1
         call = self._calls
         # A keystroke: the suggestion in flight stops first.
         while self._task is not None and not self._task.done():
             self._cancel_now()
             await asyncio.wait([self._task])
+        if settle_ms and call == self._calls and not await self._settled(settle_ms):
+            return _nothing(t0)  # the next key (or cancel()) came first: no work was sent
         online = call == self._calls and await self._reach_verifier()
         if call != self._calls:  # a newer suggest() came while we waited: it goes instead
-            return Suggestion([], [], "", "", True,
-                              SuggestionStats(wall_ms=(time.perf_counter() - t0) * 1000))
+            return _nothing(t0)
         state, kept = self._edit(ids, max_new_tokens)
         stats = GenerationStats()
         run = _Run(state)
@@ -215,6 +226,17 @@ class AsyncDocument:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
         return self._suggestion(run, cancelled, kept, stats, t0)
+
+    async def _settled(self, settle_ms: float) -> bool:
+        """Waits ``settle_ms`` as the suggestion in flight, so that a newer ``suggest`` or
+        ``cancel()`` ends the wait; whether it ran out undisturbed."""
+        task = self._task = asyncio.ensure_future(asyncio.sleep(settle_ms / 1000))
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:  # our caller went away
+            task.cancel()
+            raise
+        return not task.cancelled()
 
     async def _reach_verifier(self) -> bool:
         """Whether the client has its verifier. One that came up without it asks again, once
@@ -334,6 +356,12 @@ class _Run:
         return len(tokens) >= self.max_new_tokens or self.state.finished
 
 
+def _nothing(t0: float) -> Suggestion:
+    """A suggestion a newer keystroke superseded before it sent anything."""
+    return Suggestion([], [], "", "", True,
+                      SuggestionStats(wall_ms=(time.perf_counter() - t0) * 1000))
+
+
 def _tail(tokenizer, before: list[int], ids: list[int]) -> str:
     """The text ``ids`` add after ``before`` (decoding them alone can lose a leading space)."""
     if not ids:
@@ -351,8 +379,9 @@ class Document:
         self._inner = inner
 
     def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
-                budget_ms: float | None = None) -> Suggestion:
-        return self._client._call(self._inner.suggest(text_or_ids, max_new_tokens, budget_ms))
+                budget_ms: float | None = None, settle_ms: float | None = None) -> Suggestion:
+        return self._client._call(self._inner.suggest(text_or_ids, max_new_tokens, budget_ms,
+                                                      settle_ms))
 
     def cancel(self) -> None:
         self._inner.cancel()

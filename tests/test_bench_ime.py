@@ -132,3 +132,14 @@ def test_edge_client_bench_ime_is_the_benchmark(capsys):
         main(["bench-ime", "--help"])
     assert exc.value.code == 0
     assert "usage: edgespec-bench ime" in capsys.readouterr().out
+
+
+def test_the_settle_time_reaches_every_modes_config_and_is_checked():
+    from edge_client.bench.ime.modes import generation_config
+    from edge_client.bench.ime.run import ImeConfig
+
+    for mode in ("edit", "reopen", "cloud-only"):
+        assert generation_config(mode, 4, True, settle_ms=150).settle_ms == 150
+    assert generation_config("edit", 4, True).settle_ms == 0
+    with pytest.raises(ValueError, match="settle"):
+        ImeConfig(modes=("edit",), settle_ms=-1)

@@ -9,6 +9,7 @@ import json
 import random
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -321,6 +322,55 @@ def test_cancel_from_another_thread_returns_a_cancelled_suggestion(verifier, tin
         assert s.token_ids == hf_greedy(target, PROMPT, 60)[:len(s.token_ids)]
         again = doc.suggest(PROMPT + [12], max_new_tokens=3)
         assert again.token_ids == hf_greedy(target, PROMPT + [12], 3)
+
+
+def test_keys_typed_within_the_settle_time_send_no_work(verifier, tiny_llama_pair, target):
+    """Five keys 20 ms apart with a 150 ms settle time: the first four suggestions end
+    cancelled before any RPC (no session opened, no forward); the fifth, after which the
+    user pauses, is the target's. Every forward the verifier ran is the fifth's. A cancel()
+    during the wait also ends it with no work."""
+    keys = [PROMPT + [20 + i] for i in range(5)]
+    config = replace(GREEDY, settle_ms=150)
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(config) as doc:
+                sessions, forwards = live_sessions(verifier), metric(verifier, "target_forwards")
+                burst = []
+                for text in keys[:-1]:
+                    burst.append(asyncio.ensure_future(doc.suggest(text, max_new_tokens=3)))
+                    await asyncio.sleep(0.02)
+                    assert live_sessions(verifier) == sessions  # nothing sent yet
+                last = await doc.suggest(keys[-1], max_new_tokens=3)
+                ran = metric(verifier, "target_forwards") - forwards
+                superseded = await asyncio.gather(*burst)
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.05, doc.cancel)
+                before = metric(verifier, "target_forwards")
+                stopped = await doc.suggest(keys[-1] + [9], max_new_tokens=3)
+                return superseded, last, ran, stopped, metric(verifier, "target_forwards") - before
+
+    superseded, last, ran, stopped, after_cancel = asyncio.run(run())
+    assert all(s.cancelled and s.token_ids == [] and s.stats.target_forwards == 0
+               for s in superseded)
+    assert not last.cancelled and last.token_ids == hf_greedy(target, keys[-1], 3)
+    assert ran == last.stats.target_forwards > 0
+    assert stopped.cancelled and stopped.stats.target_forwards == 0 and after_cancel == 0
+
+
+def test_settle_and_budget_are_checked(verifier, tiny_llama_pair):
+    with pytest.raises(ValueError, match="settle_ms"):
+        GenerationConfig(settle_ms=-1)
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(GREEDY) as doc:
+                with pytest.raises(ValueError, match="settle_ms"):
+                    await doc.suggest(PROMPT, settle_ms=-5)
+                with pytest.raises(ValueError, match="budget_ms"):
+                    await doc.suggest(PROMPT, budget_ms=0)
+
+    asyncio.run(run())
 
 
 def test_a_budget_returns_what_is_verified_and_the_drafts_in_flight(verifier,

@@ -55,6 +55,10 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
                    help="edit sessions while the verifier is away")
     p.add_argument("--budget-ms", type=float, default=None,
                    help="edit sessions' latency budget per suggestion (default: none)")
+    p.add_argument("--settle-ms", type=float, default=0.0,
+                   help="every mode waits this long after a key before asking for a "
+                        "suggestion; a newer key cancels the wait, with no work sent "
+                        "(edit sessions: GenerationConfig.settle_ms; default 0)")
     p.add_argument("--no-follow-suggested-k", action="store_true",
                    help="edit sessions draft K every round instead of following the "
                         "verifier's suggested K (which is 0, plain decoding, when drafting "
@@ -93,6 +97,7 @@ def cmd_ime(args: argparse.Namespace) -> int:
                            seed=args.seed, draft_len=args.draft_len,
                            fallback=args.fallback == "draft-only", budget_ms=args.budget_ms,
                            follow_suggested_k=not args.no_follow_suggested_k,
+                           settle_ms=args.settle_ms,
                            drill=not args.no_outage,
                            drill_modes=tuple(args.outage_modes) if args.outage_modes else None,
                            outage_after_s=args.outage_after,

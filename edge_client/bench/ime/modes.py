@@ -117,6 +117,8 @@ class ReopenMode(Mode):
         n = _room(client, len(ids), max_new_tokens)
         if not ids or n == 0:
             return
+        if self.config.settle_ms:  # the same settle time as a document's; the key cancels it
+            await asyncio.sleep(self.config.settle_ms / 1000)
         config = replace(self.config, max_new_tokens=n)
         stops = set(config.stop_token_ids or client.info.eos_token_ids)
         generation = client.generate(ids, config, chat=False)
@@ -205,13 +207,14 @@ class EditMode(Mode):
 
 
 def generation_config(mode: str, draft_len: int, fallback: bool,
-                      follow_suggested_k: bool = True) -> GenerationConfig:
+                      follow_suggested_k: bool = True, settle_ms: float = 0.0) -> GenerationConfig:
     """Greedy suggestions (an IME shows the target's most likely continuation). Edit
     sessions fall back to the draft alone when the verifier is away, if asked to, and
     follow the verifier's suggested K unless told not to (then they draft K every round,
-    as the other modes do)."""
+    as the other modes do). Every mode waits ``settle_ms`` after a key before asking."""
     config = GenerationConfig(max_new_tokens=12, draft_len=draft_len,
-                              follow_suggested_draft_len=None if follow_suggested_k else False)
+                              follow_suggested_draft_len=None if follow_suggested_k else False,
+                              settle_ms=settle_ms)
     if mode == "edit" and fallback:
         config = replace(config, fallback="draft-only")
     return config
@@ -219,8 +222,9 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
 
 def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
-              intra_op_threads: int | None, follow_suggested_k: bool = True) -> Mode:
-    config = generation_config(name, draft_len, fallback, follow_suggested_k)
+              intra_op_threads: int | None, follow_suggested_k: bool = True,
+              settle_ms: float = 0.0) -> Mode:
+    config = generation_config(name, draft_len, fallback, follow_suggested_k, settle_ms)
     # The client's fallback too: a typist whose verifier is down at the start still gets
     # (unverified) suggestions.
     client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,

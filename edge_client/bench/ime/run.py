@@ -52,6 +52,9 @@ class ImeConfig:
     budget_ms: float | None = None  # edit sessions' latency budget
     # Edit sessions follow the verifier's suggested K (0 under acceptance collapse: Decode).
     follow_suggested_k: bool = True
+    # Every mode's IME waits this long after a key before asking for a suggestion (a newer
+    # key cancels the wait): GenerationConfig.settle_ms for edit sessions.
+    settle_ms: float = 0.0
     drill: bool = True
     drill_modes: tuple[str, ...] | None = None  # the modes the drill runs for (None: all)
     outage_after_s: float = 3.0
@@ -66,6 +69,8 @@ class ImeConfig:
         profile(self.profile)  # raises on an unknown name
         if not self.modes:
             raise ValueError("no modes to run")
+        if self.settle_ms < 0:
+            raise ValueError("settle time must be >= 0")
         if self.duration_s <= 0:
             raise ValueError("duration must be > 0")
         if min(self.outage_after_s, self.outage_s, self.recovery_s) < 0:
@@ -211,7 +216,7 @@ async def run_ime(verifier: VerifierHandle, draft_dir: Path | None, cfg: ImeConf
             link = NetEmLink(NetEm(profile(cfg.profile), np.random.default_rng([cfg.seed, i])))
             mode = make_mode(name, verifier.address, draft_dir, link, retry, cfg.draft_len,
                              cfg.fallback, cfg.budget_ms, cfg.draft_threads,
-                             cfg.follow_suggested_k)
+                             cfg.follow_suggested_k, cfg.settle_ms)
             modes.append(mode)
             await mode.client.connect()
         for mode in modes:

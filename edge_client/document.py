@@ -22,6 +22,9 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   when the budget is spent with the verified tokens it has, plus, as ``unverified_ids``, the
   drafts that were on their way to the verifier; the draft does not go on past the budget
   (it drafts one round alone only when the suggestion would otherwise be empty).
+- **Streaming.** ``suggest(..., on_update=show)`` calls ``show`` with the suggestion so far
+  each time tokens arrive, so the first verified tokens can be shown a round or more before
+  the whole suggestion; ``suggest`` still returns the whole one.
 - **Settle.** With ``settle_ms`` (per call, or ``GenerationConfig.settle_ms``) a suggestion
   first waits that long for the typing to settle: a newer ``suggest`` (the next key) or
   ``cancel()`` in that time ends it, cancelled, before any RPC, so keys typed in a burst cost
@@ -47,6 +50,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -170,9 +174,13 @@ class AsyncDocument:
         self._keeper.drop()
 
     async def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
-                      budget_ms: float | None = None,
-                      settle_ms: float | None = None) -> Suggestion:
-        """A suggestion after ``text_or_ids``, the field's whole current text."""
+                      budget_ms: float | None = None, settle_ms: float | None = None,
+                      on_update: Callable[[Suggestion], None] | None = None) -> Suggestion:
+        """A suggestion after ``text_or_ids``, the field's whole current text.
+
+        ``on_update``, if given, is called with the suggestion so far (``cancelled`` False)
+        each time tokens arrive, verified or not, on the document's event loop, so an IME can
+        show the first verified tokens a round or two before the whole suggestion."""
         t0 = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         ids = (self.client.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str)
@@ -201,6 +209,8 @@ class AsyncDocument:
         state, kept = self._edit(ids, max_new_tokens)
         stats = GenerationStats()
         run = _Run(state)
+        if on_update is not None:
+            run.listener = lambda: on_update(self._suggestion(run, False, kept, stats, t0))
         deadline = None if budget_ms is None else t0 + budget_ms / 1000
         spent = False
         if online:
@@ -320,7 +330,7 @@ class AsyncDocument:
                     t0: float) -> Suggestion:
         tok = self.client.tokenizer
         base = run.base
-        verified, unverified = run.verified, run.unverified
+        verified, unverified = list(run.verified), list(run.unverified)  # run goes on growing
         text = _tail(tok, base, verified)
         unverified_text = _tail(tok, base + verified, unverified)
         network_s = max(0.0, stats.wait_s - stats.verify_s)
@@ -344,11 +354,14 @@ class _Run:
         self.max_new_tokens = state.params.max_new_tokens
         self.verified: list[int] = []
         self.unverified: list[int] = []
+        self.listener: Callable[[], None] | None = None
 
     def add(self, delivery) -> None:
         if delivery.replaces:
             del self.unverified[len(self.unverified) - delivery.replaces:]
         (self.verified if delivery.verified else self.unverified).extend(delivery.tokens)
+        if self.listener is not None and (delivery.tokens or delivery.replaces):
+            self.listener()
 
     @property
     def complete(self) -> bool:
@@ -379,9 +392,11 @@ class Document:
         self._inner = inner
 
     def suggest(self, text_or_ids: str | list[int], max_new_tokens: int = 8,
-                budget_ms: float | None = None, settle_ms: float | None = None) -> Suggestion:
+                budget_ms: float | None = None, settle_ms: float | None = None,
+                on_update: Callable[[Suggestion], None] | None = None) -> Suggestion:
+        """As AsyncDocument.suggest; ``on_update`` runs on the client's event-loop thread."""
         return self._client._call(self._inner.suggest(text_or_ids, max_new_tokens, budget_ms,
-                                                      settle_ms))
+                                                      settle_ms, on_update))
 
     def cancel(self) -> None:
         self._inner.cancel()

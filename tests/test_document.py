@@ -324,6 +324,27 @@ def test_cancel_from_another_thread_returns_a_cancelled_suggestion(verifier, tin
         assert again.token_ids == hf_greedy(target, PROMPT + [12], 3)
 
 
+def test_on_update_streams_the_suggestion_as_its_tokens_come(verifier, tiny_llama_pair,
+                                                             target):
+    """A 12-token greedy suggestion at K = 3 takes several rounds (the tiny draft's drafts
+    are mostly rejected): on_update sees it grow, each time a strict extension of the last
+    and a prefix of the whole, and the last one equals what suggest() returns."""
+    updates = []
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(GREEDY) as doc:
+                return await doc.suggest(PROMPT, max_new_tokens=12, on_update=updates.append)
+
+    whole = asyncio.run(run())
+    assert whole.token_ids == hf_greedy(target, PROMPT, 12)
+    assert len(updates) >= 2 and len(updates) == whole.stats.target_forwards
+    sizes = [len(u.token_ids) for u in updates]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 12
+    assert all(u.token_ids == whole.token_ids[:len(u.token_ids)] and not u.cancelled
+               and u.text == whole.text[:len(u.text)] for u in updates)
+
+
 def test_keys_typed_within_the_settle_time_send_no_work(verifier, tiny_llama_pair, target):
     """Five keys 20 ms apart with a 150 ms settle time: the first four suggestions end
     cancelled before any RPC (no session opened, no forward); the fifth, after which the

@@ -170,9 +170,13 @@ class EditMode(Mode):
         record.context_tokens = len(ids)
         if not ids:  # a backspace emptied the field: nothing to continue
             return
+        def shown(partial) -> None:  # the document streams its tokens as they come
+            if record.first_ms is None and (partial.token_ids or partial.unverified_ids):
+                record.first_ms = (time.perf_counter() - record.at) * 1000
+
         try:
             s = await self.document.suggest(text, max_new_tokens=max_new_tokens,
-                                            budget_ms=self.budget_ms)
+                                            budget_ms=self.budget_ms, on_update=shown)
         except EdgeError as err:
             _failed(record, err)
             return
@@ -191,8 +195,9 @@ class EditMode(Mode):
             return
         record.tokens, record.unverified = len(s.token_ids), len(s.unverified_ids)
         if record.tokens or record.unverified:
-            # suggest() returns the whole suggestion at once: its first token comes with it.
-            record.first_ms = record.full_ms = ms
+            record.full_ms = ms
+            if record.first_ms is None:
+                record.first_ms = ms
 
     def supersede(self, task: asyncio.Task, record: KeyRecord, final: bool = False) -> None:
         # The next suggest() cancels this one by itself, and its Suggestion says so.

@@ -143,3 +143,24 @@ def test_the_settle_time_reaches_every_modes_config_and_is_checked():
     assert generation_config("edit", 4, True).settle_ms == 0
     with pytest.raises(ValueError, match="settle"):
         ImeConfig(modes=("edit",), settle_ms=-1)
+
+
+def test_type_through_counts_exact_and_first_character_matches():
+    """Characters are tokens here, and a suggester that always says "bc": after "a" the key
+    "b" is an exact match, and so on along "abc"; in "axc" no key matches."""
+    from edge_client.bench.ime.type_through import count_type_through
+
+    def encode(s: str) -> list[int]:
+        return [ord(c) for c in s]
+
+    def decode(ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+    def suggest(ids: list[int]) -> list[int]:  # the next two letters of the alphabet
+        return [ids[-1] + 1, ids[-1] + 2]
+
+    along = count_type_through(["abcd"], encode, decode, suggest)
+    assert (along.keys, along.exact, along.first_char) == (3, 3, 3)
+    off = count_type_through(["axc"], encode, decode, suggest)
+    assert (off.keys, off.exact, off.first_char) == (2, 0, 0)
+    assert off.rates()["exact_rate"] == 0.0

@@ -1,0 +1,97 @@
+"""Would type-through pay? How often the next key continues the suggestion shown after the
+previous one, measured with the target's own greedy suggestion, before building it.
+
+    python -m edge_client.bench.ime.type_through --messages 10 --tokens 12 --threads 1
+
+For every key of the typing benchmark's messages (each message typed character by character,
+no typos), the target suggests ``--tokens`` greedy tokens after the text before the key, and
+the key's text is checked against it two ways:
+
+- ``exact``: the new text tokenizes to the old text's tokens plus a prefix of the suggestion.
+  Only then is the rest of the suggestion what a fresh session over the new text produces, so
+  a client could keep it and send nothing.
+- ``first_char``: the key's character is the suggestion's next character. A client could keep
+  showing the rest as text, but after a re-tokenized word it is no longer the target's
+  continuation of the new text (a fresh session may say something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TypeThrough:
+    keys: int
+    exact: int
+    first_char: int
+
+    def rates(self) -> dict:
+        return {**asdict(self), "exact_rate": self.exact / self.keys if self.keys else None,
+                "first_char_rate": self.first_char / self.keys if self.keys else None}
+
+
+def count_type_through(messages: Sequence[str], encode: Callable[[str], list[int]],
+                       decode: Callable[[list[int]], str],
+                       suggest: Callable[[list[int]], list[int]]) -> TypeThrough:
+    """``suggest(ids)``: the suggestion's token ids after ``ids``. Keys from the second
+    character of each message on (the first has no suggestion before it)."""
+    keys = exact = first_char = 0
+    for message in messages:
+        before = encode(message[:1])
+        shown = suggest(before)
+        for i in range(2, len(message) + 1):
+            now = encode(message[:i])
+            whole = before + shown
+            keys += 1
+            exact += len(now) > len(before) and whole[:len(now)] == now
+            head = decode(before)
+            text = decode(whole)
+            rest = text[len(head):] if text.startswith(head) else ""
+            typed = message[len(head):i] if message[:i].startswith(head) else ""
+            first_char += bool(rest and typed) and rest.startswith(typed)
+            before, shown = now, suggest(now)
+    return TypeThrough(keys, exact, first_char)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edge_client.bench.ime.type_through",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--messages", type=int, default=10, help="the first N messages")
+    p.add_argument("--tokens", type=int, default=12, help="suggestion length")
+    p.add_argument("--model", default=None, help="target checkpoint (default: prepared)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    import torch
+
+    from cloud_verifier.target_model import load_target
+    from edge_client.bench.acceptance import target_greedy_path
+    from edge_client.bench.ime.typist import load_messages
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, device="cpu")
+    tok = target.tokenizer
+    messages = load_messages()[:args.messages]
+    result = count_type_through(
+        messages, lambda s: tok.encode(s, add_special_tokens=False), tok.decode,
+        lambda ids: target_greedy_path(target, ids, args.tokens, frozenset())[0])
+    report = {"messages": len(messages), "tokens": args.tokens, **result.rates()}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import TINY_VOCAB, tiny_llama_config, write_tiny_tokenizer
 from onnx import numpy_helper
 
 from edge_client.draft_model import OnnxDraftModel
@@ -17,7 +18,6 @@ from edge_client.drafter import DraftSampling, ModelDrafter
 from edge_client.tools.distill.cli import parse_args
 from edge_client.tools.distill.evaluate import onnx_logits_fn
 from edge_client.tools.distill.quantize import quantize_draft, share_embedding
-from conftest import TINY_VOCAB, tiny_llama_config, write_tiny_tokenizer
 
 HIDDEN = 64  # two 4-bit blocks of 32 per column
 IDS = np.array([1, 5, 9, 80, 33, 2, 17, 64, 95, 3, 40, 41])

@@ -210,7 +210,7 @@ def _int4_lookup(head, inits: dict, ids: str, out: str, attrs: dict):
     -> (q - 8) * block scale -> [.., hidden]. Symmetric MatMulNBits only."""
     from onnx import TensorProto, helper, numpy_helper
 
-    if len(head.input) > 3 and head.input[3] or attrs.get("bits", 4) != 4:
+    if (len(head.input) > 3 and head.input[3]) or attrs.get("bits", 4) != 4:
         return None
     hidden, vocab, block = attrs["K"], attrs["N"], attrs["block_size"]
     if hidden % block:

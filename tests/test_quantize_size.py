@@ -115,7 +115,7 @@ def test_shared_embedding_stores_one_table_and_keeps_the_logits(fp32_dir, tmp_pa
 
 def test_int4_matmuls_and_a_shared_4bit_head(fp32_dir, tmp_path):
     shared, _ = _variant(fp32_dir, tmp_path / "shared", share=True)
-    small, done = _variant(fp32_dir, tmp_path / "int4", share=True,
+    small, done = _variant(fp32_dir, tmp_path / "int4", share=True, int4_accuracy=4,
                            int4=("mlp/gate_proj", "mlp/up_proj", "mlp/down_proj", "lm_head"))
     assert sorted(done["int4"]) == sorted(["/lm_head/MatMul"] + [
         f"/model/layers.0/mlp/{p}_proj/MatMul" for p in ("gate", "up", "down")])
@@ -124,6 +124,9 @@ def test_int4_matmuls_and_a_shared_4bit_head(fp32_dir, tmp_path):
     nbits = [n.name for n in graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 4 and all("mlp" in n or "lm_head" in n for n in nbits)
     assert not any("mlp" in n.name and n.op_type == "MatMulInteger" for n in graph.node)
+    levels = {onnx.helper.get_attribute_value(a) for n in graph.node
+              if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}  # int8 activations inside the 4-bit kernel (the export default)
     # 1 -> 0.625 bytes a weight (4 bits + an fp32 scale per 32) for the MLP and the head
     weights = 3 * HIDDEN * 128 + TINY_VOCAB * HIDDEN
     saved = (shared / "model.onnx").stat().st_size - (small / "model.onnx").stat().st_size
@@ -172,4 +175,4 @@ def test_export_cli_takes_the_size_options():
                        "--int4", "mlp/", "lm_head", "--int4-block", "64"])
     assert args.share_embedding and args.int4 == ["mlp/", "lm_head"] and args.int4_block == 64
     args = parse_args(["export", "--run-dir", "r", "--out", "o"])
-    assert not args.share_embedding and args.int4 == [] and args.int4_accuracy == 0
+    assert not args.share_embedding and args.int4 == [] and args.int4_accuracy == 4

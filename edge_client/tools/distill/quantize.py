@@ -249,7 +249,7 @@ def _int4_lookup(head, inits: dict, ids: str, out: str, attrs: dict):
 
 def quantize_draft(fp32_onnx: Path, out_onnx: Path, keep_fp32: Sequence[str] = ("down_proj",),
                    per_channel: bool = True, share: bool = False, int4: Sequence[str] = (),
-                   int4_block: int = 32, int4_accuracy: int = 0) -> dict:
+                   int4_block: int = 32, int4_accuracy: int = 4) -> dict:
     """fp32 draft ONNX -> the edge's quantized ONNX at ``out_onnx``: the tied head untied,
     the MatMuls named by ``int4`` (name parts) as 4-bit MatMulNBits, the rest dynamically
     quantized to int8 except ``keep_fp32`` (int8 weights, fp32 activations), and with

@@ -28,6 +28,10 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
         f"the MatMuls named {list(cfg.keep_fp32)}, whose weights are int8 but whose",
         "activations stay fp32 (weight-only: dequantized once when the model loads). A tied",
         "LM head is stored apart from the embedding in the ONNX file, so it is int8 too.",
+        *([f"The MatMuls named {list(cfg.int4)} are 4-bit weight-only (MatMulNBits, blocks of "
+           f"{cfg.int4_block}, accuracy level {cfg.int4_accuracy})."] if cfg.int4 else []),
+        *(["The embedding is looked up in the quantized LM head's weight (one stored copy of "
+           "the tied matrix)."] if cfg.share_embedding else []),
         "",
         "## Architecture",
         "",

@@ -102,6 +102,15 @@ def parse_args(argv: Sequence[str] | None):
     e.add_argument("--no-quantize", action="store_true")
     e.add_argument("--no-target-timing", action="store_true")
     e.add_argument("--threads", type=int, default=0)
+    e.add_argument("--share-embedding", action="store_true",
+                   help="one quantized table for the embedding and the tied LM head")
+    e.add_argument("--int4", nargs="+", default=[], metavar="PATTERN",
+                   help="4-bit weight-only MatMulNBits for the MatMuls whose names contain a "
+                        "PATTERN (e.g. mlp/gate_proj mlp/up_proj mlp/down_proj lm_head)")
+    e.add_argument("--int4-block", type=int, choices=(16, 32, 64, 128), default=32)
+    e.add_argument("--int4-accuracy", type=int, choices=(0, 1, 2, 3, 4), default=4,
+                   help="MatMulNBits accuracy_level (4: int8 activations, the faster on the "
+                        "2-core VM; 0: fp32)")
 
     _add_head_parsers(sub)
     v = sub.add_parser("eval", help="held-out acceptance of a run or an ONNX draft dir")
@@ -238,7 +247,10 @@ def _run(args) -> int:
             torch.set_num_threads(args.threads)
         res = export(ExportConfig(args.run_dir, args.out, args.heldout, args.target,
                                   args.fp32_out, args.eval_samples, not args.no_quantize,
-                                  measure_target=not args.no_target_timing))
+                                  measure_target=not args.no_target_timing,
+                                  share_embedding=args.share_embedding, int4=tuple(args.int4),
+                                  int4_block=args.int4_block,
+                                  int4_accuracy=args.int4_accuracy))
         print(json.dumps(jsonable(res), indent=2))
     elif args.cmd in ("train-head", "export-head"):
         _run_head(args)

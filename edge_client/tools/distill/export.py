@@ -21,7 +21,7 @@ from edge_client.tools.distill.evaluate import (
     torch_logits_fn,
 )
 from edge_client.tools.distill.model import arch_from_json, build_draft, full_vocab_twin
-from edge_client.tools.distill.quantize import matmuls_named, untie_lm_head, weight_only_int8
+from edge_client.tools.distill.quantize import quantize_draft
 from edge_client.tools.distill.shards import heldout_samples
 from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
 
@@ -44,6 +44,15 @@ class ExportConfig:
     # The full-vocabulary PyTorch twin (bench's assisted-generation case); default:
     # shared.paths.draft_twin_dir(out).
     twin_out: Path | None = None
+    # One int8 (or 4-bit) table for the embedding and the tied LM head (quantize.share_embedding).
+    share_embedding: bool = False
+    # MatMuls whose names contain these get 4-bit weight-only MatMulNBits (quantize.int4_matmuls).
+    int4: tuple[str, ...] = ()
+    int4_block: int = 32
+    # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (measured on v7,
+    # 1 thread, the 2-core VM: int4 gate/up step 50 ms at level 0 vs 41 ms at 4 and 42 ms
+    # all-int8 under load; greedy acceptance 0.4522 / 0.4475, 1 - TV equal); 0 keeps fp32.
+    int4_accuracy: int = 4
 
 
 def export(cfg: ExportConfig) -> dict:
@@ -96,30 +105,17 @@ def export(cfg: ExportConfig) -> dict:
             if f.is_file() and f.name != "model.onnx":
                 shutil.copy2(f, staged / f.name)
         if cfg.quantize:
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            # reduce_range: per-channel int8 weights without it overflow the u8 x s8 dot
-            # products on CPUs without VNNI (measured: greedy acceptance 0.33 -> 0.09).
             # The MLP down projections see SmolLM's activation outliers; quantizing their
-            # inputs per tensor cost 0.05 greedy acceptance, so they stay fp32 (measured).
-            # The tied LM head reads the embedding through a Transpose, which dynamic
-            # quantization skips (not a constant): untied, it is quantized too (measured:
-            # draft step 8.6-8.9 -> 4.1-4.2 ms at 2 threads, greedy acceptance -0.0015).
-            untied = staged / "untied.onnx"
-            source = untied if untie_lm_head(fp32_dir / "model.onnx", untied) \
-                else fp32_dir / "model.onnx"
-            quantize_dynamic(source, staged / "model.onnx",
-                             weight_type=QuantType.QInt8, per_channel=cfg.per_channel,
-                             reduce_range=True,
-                             nodes_to_exclude=matmuls_named(source, cfg.keep_fp32))
-            untied.unlink(missing_ok=True)
-            for extra in staged.glob("*.onnx.data"):
-                extra.unlink()
-            # Those MatMuls still get int8 weights, dequantized once at load: weight-only
-            # quantization keeps their fp32 activations (measured: greedy acceptance 0.4892
-            # with fp32 weights, 0.4898 weight-only; the file 47 -> 31 MB).
-            weight_only_int8(staged / "model.onnx",
-                             matmuls_named(staged / "model.onnx", cfg.keep_fp32))
+            # inputs per tensor cost 0.05 greedy acceptance, so they keep fp32 activations
+            # with int8 weights (measured: greedy acceptance 0.4892 with fp32 weights, 0.4898
+            # weight-only; the file 47 -> 31 MB). The tied LM head reads the embedding through
+            # a Transpose, which dynamic quantization skips (not a constant): untied, it is
+            # quantized too (measured: draft step 8.6-8.9 -> 4.1-4.2 ms at 2 threads, greedy
+            # acceptance -0.0015).
+            results["quantization"] = quantize_draft(
+                fp32_dir / "model.onnx", staged / "model.onnx", cfg.keep_fp32,
+                cfg.per_channel, cfg.share_embedding, cfg.int4, cfg.int4_block,
+                cfg.int4_accuracy)
         else:
             shutil.copy2(fp32_dir / "model.onnx", staged / "model.onnx")
         key = "int8" if cfg.quantize else "fp32_copy"

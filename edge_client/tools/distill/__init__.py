@@ -17,6 +17,8 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
 - ``export``: checkpoint -> HF dir -> ONNX -> dynamic int8 (``quantize``), with a
   MODEL_CARD.md (``card``) holding the held-out acceptance of fp32 and int8.
 - ``evaluate`` (``eval``): held-out acceptance of a checkpoint or of an ONNX draft directory.
+- ``onnx_import`` (``import-onnx``): a shipped ONNX draft directory (int8 or fp32) back into a
+  finished run directory, for ``train --init-from`` when the checkpoint is gone.
 - ``head_model``, ``head_train`` (``train-head``), ``head_eval``, ``head_export``
   (``export-head``): a one-layer draft head conditioned on the target's final hidden state,
   run on the edge by ``edge_client.feature_draft`` (``docs/feature-draft.md``).

@@ -2,7 +2,8 @@
 
 Subcommands (each one checkpoints; kill it at any moment and rerun the same command):
 ``gen-prompts`` (module ``magpie``), ``gen-data`` (module ``data``), ``train`` (``train``),
-``export`` (``export``) and ``eval`` (``evaluate``), and for the draft head conditioned on the
+``export`` (``export``), ``eval`` (``evaluate``), ``import-onnx`` (``onnx_import``: a shipped
+ONNX draft back into a run dir for ``train --init-from``), and for the draft head conditioned on the
 target's hidden state ``train-head`` (``head_train``) and ``export-head`` (``head_export``);
 the package docstring says what each does. A stage's module is imported when its subcommand
 runs, and none imports torch at module level, so ``--help`` and ``--version`` load no torch.
@@ -111,6 +112,15 @@ def parse_args(argv: Sequence[str] | None):
     e.add_argument("--int4-accuracy", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level (4: int8 activations, the faster on the "
                         "2-core VM; 0: fp32)")
+
+    i = sub.add_parser("import-onnx", help="a shipped ONNX draft dir (int8 or fp32) back into "
+                                           "a finished run dir for train --init-from")
+    i.add_argument("--draft", type=Path, required=True, help="dir with model.onnx + config.json")
+    i.add_argument("--out", type=Path, required=True, help="the run dir to write")
+    i.add_argument("--target", type=Path, default=None)
+    i.add_argument("--check-tokens", type=int, default=64,
+                   help="random ids to compare torch and ONNX logits on (0: skip)")
+    i.add_argument("--threads", type=int, default=0)
 
     _add_head_parsers(sub)
     v = sub.add_parser("eval", help="held-out acceptance of a run or an ONNX draft dir")
@@ -252,6 +262,15 @@ def _run(args) -> int:
                                   int4_block=args.int4_block,
                                   int4_accuracy=args.int4_accuracy))
         print(json.dumps(jsonable(res), indent=2))
+    elif args.cmd == "import-onnx":
+        from edge_client.tools.distill.onnx_import import import_onnx
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        res = import_onnx(args.draft, args.out, args.target, args.check_tokens)
+        print(json.dumps(jsonable({k: v for k, v in res.items() if k != "sources"}), indent=2))
     elif args.cmd in ("train-head", "export-head"):
         _run_head(args)
     elif args.cmd == "eval":

@@ -14,7 +14,9 @@ from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
 
 @dataclass(frozen=True)
 class ArchConfig:
-    init: str = "scratch"  # "scratch", "pca" (target embeddings projected) or "target"
+    # "scratch", "pca" (target embeddings projected), "target" (target layers copied) or
+    # "onnx" (built like scratch; the weights come from an imported ONNX draft's ckpt.pt)
+    init: str = "scratch"
     hidden: int = 256
     layers: int = 4
     heads: int = 4
@@ -47,7 +49,7 @@ def build_draft(arch: ArchConfig, target_dir: Path, vmap: VocabMap, seed: int):
         hidden_act="silu",
     )
     torch.manual_seed(seed)
-    if arch.init in ("scratch", "pca"):
+    if arch.init in ("scratch", "pca", "onnx"):
         cfg = LlamaConfig(hidden_size=arch.hidden, num_hidden_layers=arch.layers,
                           num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads,
                           intermediate_size=arch.intermediate, head_dim=arch.hidden // arch.heads,

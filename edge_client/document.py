@@ -189,12 +189,11 @@ class AsyncDocument:
             raise ValueError("the text is empty; a suggestion needs at least one token")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        budget_ms = budget_ms if budget_ms is not None else self.config.budget_ms
-        settle_ms = settle_ms if settle_ms is not None else self.config.settle_ms
-        if budget_ms is not None and not budget_ms > 0:
-            raise ValueError("budget_ms must be > 0 (or None)")
-        if not settle_ms >= 0:
-            raise ValueError("settle_ms must be >= 0")
+        # Per-call values override the config's, and are checked where the config's are.
+        timing = replace(self.config,
+                         budget_ms=self.config.budget_ms if budget_ms is None else budget_ms,
+                         settle_ms=self.config.settle_ms if settle_ms is None else settle_ms)
+        budget_ms, settle_ms = timing.budget_ms, timing.settle_ms
         self._calls += 1
         call = self._calls
         # A keystroke: the suggestion in flight stops first.
@@ -225,28 +224,28 @@ class AsyncDocument:
             # Unreachable (or an empty suggestion past its budget): the draft completes the
             # suggestion alone. It is the suggestion in flight until it returns, so that a
             # newer suggest() stops it before editing the state it is drafting on.
-            task = self._task = asyncio.ensure_future(
-                self._draft_rest(state, stats, run, one_round=spent))
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError:
-                task.cancel()
-                raise
+            task = await self._in_flight(self._draft_rest(state, stats, run, one_round=spent))
             cancelled = task is self._cancelled
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
         return self._suggestion(run, cancelled, kept, stats, t0)
 
+    async def _in_flight(self, work, timeout: float | None = None) -> asyncio.Task:
+        """Runs ``work`` as the suggestion in flight (what a newer ``suggest`` or
+        ``cancel()`` stops) until it ends or ``timeout`` seconds pass; its task. If our own
+        caller goes away, so does the work."""
+        task = self._task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait([task], timeout=timeout)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        return task
+
     async def _settled(self, settle_ms: float) -> bool:
         """Waits ``settle_ms`` as the suggestion in flight, so that a newer ``suggest`` or
         ``cancel()`` ends the wait; whether it ran out undisturbed."""
-        task = self._task = asyncio.ensure_future(asyncio.sleep(settle_ms / 1000))
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError:  # our caller went away
-            task.cancel()
-            raise
-        return not task.cancelled()
+        return not (await self._in_flight(asyncio.sleep(settle_ms / 1000))).cancelled()
 
     async def _reach_verifier(self) -> bool:
         """Whether the client has its verifier. One that came up without it asks again, once
@@ -265,13 +264,8 @@ class AsyncDocument:
                         deadline: float | None) -> tuple[bool, bool]:
         """Runs the suggestion against the verifier until ``deadline`` (perf_counter time;
         None: none); whether it was cancelled, and whether the budget was spent."""
-        task = self._task = asyncio.ensure_future(self._run(state, stats, run))
-        try:
-            await asyncio.wait([task], timeout=None if deadline is None else
-                               max(0.0, deadline - time.perf_counter()))
-        except asyncio.CancelledError:  # our caller went away: so does the suggestion
-            task.cancel()
-            raise
+        task = await self._in_flight(self._run(state, stats, run), None if deadline is None
+                                     else max(0.0, deadline - time.perf_counter()))
         spent = not task.done()
         if spent:  # the budget is spent: the drafts on their way come unverified
             in_flight = state.pending

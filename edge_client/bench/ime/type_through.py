@@ -23,8 +23,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class TypeThrough:

@@ -164,6 +164,22 @@ def _add_head_parsers(sub) -> None:
     h.add_argument("--feature-codec", default="fp16",
                    help="the wire form of the features the verifier sends (shared.feature_codec: "
                         "fp16 or int8-g<G>); the head trains on its round trip")
+    h.add_argument("--context", action="store_true",
+                   help="a context head (head_context): attends over the target's features of "
+                        "the whole text; needs prompt features (gen-data --features writes "
+                        "them, prompt-features backfills older data); --batch-size counts "
+                        "sequences")
+    h.add_argument("--passes", type=int, default=3,
+                   help="context heads: unrolled draft steps trained (training-time test)")
+    h.add_argument("--max-len", type=int, default=256,
+                   help="context heads: pairs per training sequence at most")
+
+    f = sub.add_parser("prompt-features", help="backfill the target's features at every prompt "
+                                               "position of gen-data --features shards")
+    f.add_argument("--data", type=Path, nargs="+", required=True)
+    f.add_argument("--target", type=Path, default=None)
+    f.add_argument("--batch-size", type=int, default=8)
+    f.add_argument("--threads", type=int, default=0)
 
     x = sub.add_parser("export-head", help="ONNX + int8 + MODEL_CARD.md + feature_head.json "
                                            "from a train-head run")
@@ -193,7 +209,16 @@ def _run_head(args) -> None:
             seed=args.seed, ckpt_every_s=args.ckpt_every_s,
             ckpt_every_steps=args.ckpt_every_steps, eval_every=args.eval_every,
             eval_samples=args.eval_samples, threads=args.threads, log_every=args.log_every,
-            lr_steps=args.lr_steps, feature_codec=args.feature_codec))
+            lr_steps=args.lr_steps, feature_codec=args.feature_codec, context=args.context,
+            passes=args.passes, max_len=args.max_len))
+    elif args.cmd == "prompt-features":
+        from edge_client.tools.distill.common import default_target
+        from edge_client.tools.distill.head_context import backfill_prompt_features
+
+        target = args.target or default_target()
+        for d in args.data:
+            print(json.dumps({"data": str(d), **backfill_prompt_features(
+                d, target, args.batch_size, args.threads)}))
     else:
         from edge_client.tools.distill.common import jsonable
         from edge_client.tools.distill.head_export import HeadExportConfig, export_head
@@ -271,7 +296,7 @@ def _run(args) -> int:
             torch.set_num_threads(args.threads)
         res = import_onnx(args.draft, args.out, args.target, args.check_tokens)
         print(json.dumps(jsonable({k: v for k, v in res.items() if k != "sources"}), indent=2))
-    elif args.cmd in ("train-head", "export-head"):
+    elif args.cmd in ("train-head", "export-head", "prompt-features"):
         _run_head(args)
     elif args.cmd == "eval":
         from edge_client.tools.distill.evaluate import eval_command

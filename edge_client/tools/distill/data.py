@@ -180,17 +180,24 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
     out_feat: list[list[np.ndarray]] = [[] for _ in range(n)]
     alive = torch.arange(n)  # original row of each batch row
     cache = DynamicCache()
-    def step(**kwargs):
+    prompt_feat: list[np.ndarray | None] = [None] * n
+
+    def step(prefill: bool = False, **kwargs):
         """Last-position logits (float32) and, with ``cfg.features``, the hidden state the LM
-        head read there (float16 numpy)."""
+        head read there (float16 numpy); the prefill also keeps every prompt position's."""
         if not cfg.features:
             return model(**kwargs, use_cache=True).logits[:, -1, :].float(), None
-        hidden = model.model(**kwargs, use_cache=True).last_hidden_state[:, -1, :]
+        states = model.model(**kwargs, use_cache=True).last_hidden_state
+        if prefill:  # rows are left padded
+            every = states.to(torch.float16).numpy()
+            for r, p in enumerate(prompts):
+                prompt_feat[r] = every[r, width - len(p):]
+        hidden = states[:, -1, :]
         return model.lm_head(hidden).float(), hidden.to(torch.float16).numpy()
 
     with torch.inference_mode():
-        logits, feat = step(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache)
+        logits, feat = step(True, input_ids=input_ids, attention_mask=mask,
+                            position_ids=positions, past_key_values=cache)
         next_pos = positions[:, -1] + 1
         for _ in range(cfg.max_new_tokens):
             if record_top_k:  # [b, k]: p at temperature 1
@@ -226,7 +233,7 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
     return [
         Sample(np.asarray(prompts[r]), np.asarray(out_tokens[r]), np.stack(out_ids[r]),
                np.stack(out_logp[r]), sampled[r],
-               np.stack(out_feat[r]) if cfg.features else None)
+               np.stack(out_feat[r]) if cfg.features else None, prompt_feat[r])
         for r in range(n)
     ]
 

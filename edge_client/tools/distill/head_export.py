@@ -112,6 +112,10 @@ def export_head(cfg: HeadExportConfig) -> dict:
     t0 = time.perf_counter()
     run = Path(cfg.run_dir)
     head, vmap, saved, ck = load_head_run(run, cfg.target)
+    if saved.get("context"):
+        raise ValueError(f"{run} is a context head: the edge runtime and the verifier's context "
+                         "features are not built yet (docs/feature-draft.md), so it has no "
+                         "export; its held-out figures are in the run's metrics.jsonl")
     target_dir = Path(cfg.target) if cfg.target else Path(saved["target"])
     shape = TargetShape.from_dir(target_dir)
     fingerprint = target_fingerprint(target_dir)

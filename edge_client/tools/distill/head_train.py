@@ -41,6 +41,12 @@ from edge_client.tools.distill.common import (
     target_vocab_size,
     write_json,
 )
+from edge_client.tools.distill.head_context import (
+    context_loss,
+    context_sequences,
+    evaluate_context,
+    make_context_batch,
+)
 from edge_client.tools.distill.head_eval import evaluate_torch
 from edge_client.tools.distill.head_model import (
     HeadArch,
@@ -85,6 +91,11 @@ class HeadTrainConfig:
     lr_steps: int = 0  # the cosine's horizon; 0: ``steps``
     # The wire form the verifier sends (shared.feature_codec); fixed at a run's start.
     feature_codec: str = DEFAULT_CODEC
+    # A context head (``head_context``): whole sequences, ``passes`` unrolled draft steps,
+    # ``batch_size`` sequences of at most ``max_len`` pairs per step. Fixed at a run's start.
+    context: bool = False
+    passes: int = 3
+    max_len: int = 256
 
 
 @dataclass
@@ -205,6 +216,9 @@ def train_head(cfg: HeadTrainConfig) -> dict:
                  or legacy_codec(TargetShape.from_dir(target_dir).hidden))
         if codec != cfg.feature_codec:
             log.warning("run %s was started with feature codec %s; keeping it", run, codec)
+        if bool(saved.get("context", False)) != cfg.context:
+            raise ValueError(f"run {run} is a {'context' if saved.get('context') else 'chain'}"
+                             " head run; resume it with the same --context setting")
     else:
         arch = cfg.arch
         target_dir = Path(cfg.target) if cfg.target is not None else default_target()
@@ -215,7 +229,8 @@ def train_head(cfg: HeadTrainConfig) -> dict:
         vmap.save(run / VOCAB_MAP_FILE)
         codec = codec_named(cfg.feature_codec).name  # refuses an unknown name now
         save_run_meta(run, arch, target_dir, cfg.seed, {"created": time.strftime("%F %T"),
-                                                        "feature_codec": codec})
+                                                        "feature_codec": codec,
+                                                        "context": cfg.context})
     full_to_sub = vmap.full_to_sub()
     full_to_head = np.full(vmap.full_vocab_size, -1, dtype=np.int64)
     real = vmap.sub_to_full >= 0
@@ -238,6 +253,23 @@ def train_head(cfg: HeadTrainConfig) -> dict:
     if index.total == 0:
         raise ValueError("no sample has two generated tokens: nothing to chain")
     heldout = heldout_samples(cfg.heldout, cfg.eval_samples)
+    if cfg.context:
+        seqs, heldout_seqs = context_sequences(samples), context_sequences(heldout)
+
+    def next_batch(step: int):
+        """(loss, parts, positions trained) of step ``step``'s batch."""
+        rng = np.random.default_rng([cfg.seed, step])
+        if cfg.context:
+            picked = [seqs[i] for i in rng.integers(0, len(seqs), cfg.batch_size)]
+            cb = make_context_batch(picked, full_to_sub, cfg.max_len)
+            cb.features = wire_round_trip(cb.features, codec)
+            loss, parts = context_loss(head, cb, cfg.passes, cfg.tv_weight,
+                                       cfg.feature_weight)
+            return loss, parts, int(cb.valid.sum())
+        batch = make_chain_batch(samples, index.draw(rng, cfg.batch_size), cfg.chain_len,
+                                 full_to_sub, full_to_head)
+        loss, parts = chain_loss(head, batch, cfg.tv_weight, cfg.feature_weight, codec)
+        return loss, parts, int(batch.valid.sum())
     metrics_log = run / "metrics.jsonl"
 
     def save() -> None:
@@ -249,7 +281,8 @@ def train_head(cfg: HeadTrainConfig) -> dict:
 
     def evaluate_heldout(step: int) -> None:
         head.eval()
-        res = evaluate_torch(head, vmap, heldout, codec)
+        res = (evaluate_context(head, vmap, heldout_seqs) if cfg.context
+               else evaluate_torch(head, vmap, heldout, codec))
         head.train()
         log.info("heldout @%d: greedy_alpha %s tokens/round %s step accuracy %s (%d rows)",
                  step, res["greedy_alpha"], res["tokens_per_round"], res["step_accuracy"],
@@ -263,17 +296,15 @@ def train_head(cfg: HeadTrainConfig) -> dict:
     with _StopFlag() as flag:
         while state["step"] < cfg.steps and not flag.stop:
             step = state["step"]
-            starts = index.draw(np.random.default_rng([cfg.seed, step]), cfg.batch_size)
-            batch = make_chain_batch(samples, starts, cfg.chain_len, full_to_sub, full_to_head)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, cfg)
-            loss, parts = chain_loss(head, batch, cfg.tv_weight, cfg.feature_weight, codec)
+            loss, parts, seen = next_batch(step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             state["step"] = step = step + 1
-            state["chain_steps_seen"] += int(batch.valid.sum())
+            state["chain_steps_seen"] += seen
             state["wall_s"] = wall0 + time.perf_counter() - t_run
             acc["n"] += 1
             acc["loss"] += float(loss.detach())
@@ -312,8 +343,11 @@ def _run_card(arch: HeadArch, cfg: HeadTrainConfig, state: dict, n_train: int,
         "# train-head run", "",
         f"- arch: {asdict(arch)}, sub-vocabulary {sub_vocab}, {n_train / 1e6:.2f} M trained",
         f"- data: {', '.join(map(str, as_dirs(cfg.data)))} ({len(state['shards'])} shards)",
-        f"- steps {state['step']}, batch {cfg.batch_size} chains of {cfg.chain_len}, "
-        f"{state['chain_steps_seen']:,} chain steps, lr {cfg.lr}",
+        (f"- context head: steps {state['step']}, batch {cfg.batch_size} sequences of at most "
+         f"{cfg.max_len} pairs, {cfg.passes} passes, {state['chain_steps_seen']:,} positions, "
+         f"lr {cfg.lr}" if cfg.context else
+         f"- steps {state['step']}, batch {cfg.batch_size} chains of {cfg.chain_len}, "
+         f"{state['chain_steps_seen']:,} chain steps, lr {cfg.lr}"),
         f"- wall time {state['wall_s'] / 60:.1f} min",
         f"- last logged: loss {last.get('loss')}, kl {last.get('kl')}, tv {last.get('tv')}, "
         f"feature {last.get('feature')}",

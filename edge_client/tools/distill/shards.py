@@ -24,6 +24,10 @@ class Sample:
     # LM head reads) at the position that decided gen token j. Row 0 is at the prompt's last
     # token. What a hidden-state-conditioned draft is trained on (``gen-data --features``).
     features: np.ndarray | None = None
+    # [P, H] float16, or None: the same hidden state at every prompt position (row i read
+    # prompt_ids[:i + 1]; the last row equals features[0]). What a head that attends over the
+    # whole context's features trains on (``head_context``; ``prompt-features`` backfills it).
+    prompt_features: np.ndarray | None = None
 
 
 def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[int]) -> None:
@@ -41,6 +45,15 @@ def write_shard(path: Path, samples: Sequence[Sample], prompt_index: Sequence[in
         raise ValueError("a shard's samples must all have features or none")
     extra = ({"features": np.concatenate([s.features for s in samples]).astype(np.float16)}
              if samples and all(with_features) else {})
+    with_prompt = [s.prompt_features is not None for s in samples]
+    if any(with_prompt) and not all(with_prompt):
+        raise ValueError("a shard's samples must all have prompt features or none")
+    if samples and all(with_prompt):
+        for s in samples:
+            if len(s.prompt_features) != len(s.prompt_ids):
+                raise ValueError("prompt_features needs one row per prompt token")
+        extra["prompt_features"] = np.concatenate(
+            [s.prompt_features for s in samples]).astype(np.float16)
     np.savez(
         tmp,
         **extra,
@@ -60,6 +73,7 @@ def read_shard(path: Path) -> list[Sample]:
     with np.load(path) as z:
         po, go = z["prompt_offsets"], z["gen_offsets"]
         features = z["features"] if "features" in z.files else None
+        prompt_features = z["prompt_features"] if "prompt_features" in z.files else None
         out = []
         for i in range(len(po) - 1):
             g0, g1 = go[i], go[i + 1]
@@ -71,6 +85,7 @@ def read_shard(path: Path) -> list[Sample]:
                     z["topk_logp"][g0:g1],
                     bool(z["sampled"][i]),
                     None if features is None else features[g0:g1],
+                    None if prompt_features is None else prompt_features[po[i] : po[i + 1]],
                 )
             )
     return out

@@ -44,3 +44,25 @@ def export_untrained_head(target_dir: Path, out: Path, codec: str = DEFAULT_CODE
                              max_chain, target_dir.name, 0))
     vmap.save(out / VOCAB_MAP_FILE)
     return out
+
+
+def save_untrained_context_run(target_dir: Path, run: Path, seed: int = 0) -> Path:
+    """A ``train-head --context`` run directory holding an untrained head (as ``load_head_run``
+    reads it), for the benches that take one."""
+    import torch
+
+    from edge_client.tools.distill.head_model import save_run_meta
+
+    shape = TargetShape.from_dir(target_dir)
+    ids = np.arange(SUB_VOCAB, dtype=np.int64)
+    ids[-1] = -1
+    vmap = VocabMap(ids, shape.vocab)
+    arch = HeadArch(sub_vocab=SUB_VOCAB, intermediate=64, max_chain=16)
+    head = build_head(arch, target_dir, vmap, seed)
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.4)
+    run.mkdir(parents=True, exist_ok=True)
+    vmap.save(run / VOCAB_MAP_FILE)
+    save_run_meta(run, arch, target_dir, seed, {"feature_codec": DEFAULT_CODEC, "context": True})
+    torch.save({"model": head.state_dict()}, run / "ckpt.pt")
+    return run

@@ -65,3 +65,26 @@ def test_the_bench_runs_both_drafts_on_the_realistic_set(tiny_llama_pair, tmp_pa
         assert 0 <= s["greedy_alpha"] <= 1 and 0 < s["accept_t0.7"] <= 1
         assert s["forwards_per_token"] == round(s["rounds"] / s["tokens"], 4)
     assert report["step_ms"]["feature_head"] > 0 and report["bytes_on_disk"]["feature_head"] > 0
+
+
+def test_the_bench_adds_a_context_head_on_the_same_paths(tiny_llama_pair, tmp_path):
+    import json
+
+    from feature_heads import export_untrained_head, save_untrained_context_run
+
+    from edge_client.bench.feature_acceptance import main
+
+    head = export_untrained_head(tiny_llama_pair.target_dir, tmp_path / "head")
+    run = save_untrained_context_run(tiny_llama_pair.target_dir, tmp_path / "ctx")
+    out = tmp_path / "fa.json"
+    assert main(["--head", str(head), "--context-run", str(run), "--draft-dir",
+                 str(tiny_llama_pair.draft_dir), "--target", str(tiny_llama_pair.target_dir),
+                 "--per-category", "1", "--max-new-tokens", "6", "--context-past", "16",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ind, ctx = report["overall"]["independent"], report["overall"]["context_head"]
+    assert ctx["tokens"] == ind["tokens"] > 0
+    assert ctx["rounds"] >= len(report["by_category"]) + 1  # a draft-free first round each
+    assert 0 <= ctx["greedy_alpha"] <= 1 and 0 < ctx["accept_t0.7"] <= 1
+    assert all("context_head" in c for c in report["by_category"].values())
+    assert report["step_ms"]["context_head"] > 0 and report["step_ms"]["feature_head_past0"] > 0

@@ -149,8 +149,10 @@ class HeadRunner:
 
 
 def measure(target, draft, head: HeadRunner, ids: list[int], n_new: int, k: int,
-            stop_ids: frozenset[int]) -> tuple[Counts, Counts, list[float], list[float]]:
-    """(independent draft counts, head counts, draft step seconds, target step seconds)."""
+            stop_ids: frozenset[int], ctx: ContextRunner | None = None
+            ) -> tuple[Counts, Counts, list[float], list[float], Counts | None]:
+    """(independent draft counts, head counts, draft step seconds, target step seconds,
+    context head counts or None)."""
     feats: list[np.ndarray] = []
     path, target_logits, target_steps = target_greedy_path(target, ids, n_new, stop_ids, feats)
     draft_logits, draft_steps = draft_trace(draft, ids, path)
@@ -175,7 +177,69 @@ def measure(target, draft, head: HeadRunner, ids: list[int], n_new: int, k: int,
     feat.tokens += 1
     feat.accept_sampled = [accept_sparse(tl[t], head.first_q(feats[t - 1], path[t - 1]),
                                          TEMPERATURE) for t in range(1, len(path))]
-    return ind, feat, draft_steps, target_steps
+    extra = ctx.measure(target, ids, path, tl, k) if ctx is not None else None
+    return ind, feat, draft_steps, target_steps, extra
+
+
+class ContextRunner:
+    """A context head (``train-head --context``) in torch: it has no edge runtime yet, and
+    its graph is the chain head's, so its step time is the exported chain head's with a KV
+    cache of the context (``--head``'s, measured by ``step_ms_with_past``)."""
+
+    def __init__(self, run: Path) -> None:
+        from edge_client.tools.distill.head_model import load_head_run
+
+        self.head, vmap, saved, _ = load_head_run(run)
+        if not saved.get("context"):
+            raise SystemExit(f"{run} is not a train-head --context run")
+        self.full_to_sub = vmap.full_to_sub()
+        self.out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
+        self.run = run
+
+    def measure(self, target, ids: list[int], path: list[int], tl: np.ndarray,
+                k: int) -> Counts:
+        """Like the chain head: a first round without drafts (the target has sent no feature
+        yet), then every round reads the features of every committed position."""
+        from edge_client.tools.distill.head_context import ContextSequence, context_drafts
+
+        tokens = np.asarray(list(ids) + list(path), np.int64)
+        with torch.inference_mode():  # the features of every position but the last
+            states = target.model.model(
+                input_ids=torch.from_numpy(tokens[None, :-1]).to(target.device)
+            ).last_hidden_state[0].float().cpu().numpy()
+        seq = ContextSequence(tokens, states.astype(np.float16).astype(np.float32), len(ids),
+                              False)
+        first: list[np.ndarray] = []
+        pred = context_drafts(self.head, self.full_to_sub, self.out_full, seq, k, first)
+        counts = replay(lambda t, n: [int(x) for x in pred[t - 1, :n] if x >= 0], path, k,
+                        start=1)
+        counts.rounds += 1
+        counts.tokens += 1
+        counts.accept_sampled = [
+            accept_sparse(tl[t], (self.out_full, _softmax(first[t - 1], TEMPERATURE)),
+                          TEMPERATURE) for t in range(1, len(path))]
+        return counts
+
+
+def step_ms_with_past(head_dir: Path, past: int, threads: int, repeats: int = 200) -> float:
+    """Median ms of one step of an exported head's graph with ``past`` cached positions."""
+    import onnxruntime as ort
+
+    meta = json.loads((head_dir / "feature_head.json").read_text())
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(head_dir / "model.onnx"), sess_options=options,
+                                   providers=["CPUExecutionProvider"])
+    kv = np.zeros((1, int(meta["kv_heads"]), past, int(meta["head_dim"])), np.float32)
+    feed = {"input_ids": np.zeros((1, 1), np.int64),
+            "features": np.zeros((1, 1, int(meta["hidden_size"])), np.float32),
+            "past_key": kv, "past_value": kv}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return _median_ms(times[repeats // 10:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="feature_acceptance", description=__doc__.splitlines()[0])
     p.add_argument("--head", type=Path, required=True, help="an exported feature head dir")
+    p.add_argument("--context-run", type=Path, default=None,
+                   help="also a context head: a train-head --context run dir (torch)")
+    p.add_argument("--context-past", type=int, default=128,
+                   help="cached positions for the context head's step time")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help="the independent ONNX draft (default: the shipped one)")
     p.add_argument("--target", default=None, help="target checkpoint (default: prepared)")
@@ -203,18 +271,22 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target)
     draft = OnnxDraftModel(draft_dir, intra_op_threads=args.threads)
     head = HeadRunner(args.head, args.threads)
+    ctx = ContextRunner(args.context_run) if args.context_run else None
     evals, _ = load_realistic(args.per_category)
     prompts = encode_eval(EdgeTokenizer(draft_dir), evals,
                           target.max_context - args.max_new_tokens - 1)
     stop_ids = frozenset(target.eos_token_ids)
     by_cat: dict[str, tuple[Counts, Counts]] = {}
+    by_cat_ctx: dict[str, Counts] = {}
     draft_steps: list[float] = []
     target_steps: list[float] = []
     t0 = time.perf_counter()
     for i, bp in enumerate(prompts):
         log.info("prompt %d/%d (%s)", i + 1, len(prompts), bp.category)
-        ind, feat, ds, ts = measure(target, draft, head, bp.ids, args.max_new_tokens,
-                                    args.draft_len, stop_ids)
+        ind, feat, ds, ts, extra = measure(target, draft, head, bp.ids, args.max_new_tokens,
+                                           args.draft_len, stop_ids, ctx)
+        if extra is not None:
+            by_cat_ctx.setdefault(bp.category, Counts()).__iadd__(extra)
         a, b = by_cat.setdefault(bp.category, (Counts(), Counts()))
         a += ind
         b += feat
@@ -225,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         total_ind += a
         total_feat += b
     head_files = sorted(args.head.glob("*.onnx"))
+    total_ctx = Counts()
+    for c in by_cat_ctx.values():
+        total_ctx += c
     report = {
         "config": {"per_category": args.per_category, "prompts": len(prompts),
                    "max_new_tokens": args.max_new_tokens, "draft_len": args.draft_len,
@@ -240,10 +315,19 @@ def main(argv: list[str] | None = None) -> int:
                           "feature_head": sum(f.stat().st_size for f in head_files)},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    if ctx is not None:
+        for c, counts in by_cat_ctx.items():
+            report["by_category"][c]["context_head"] = counts.summary()
+        report["overall"]["context_head"] = total_ctx.summary()
+        report["config"]["context_run"] = str(args.context_run)
+        report["step_ms"]["context_head"] = step_ms_with_past(args.head, args.context_past,
+                                                              args.threads)
+        report["step_ms"]["feature_head_past0"] = step_ms_with_past(args.head, 0, args.threads)
+        report["bytes_on_disk"]["context_head"] = report["bytes_on_disk"]["feature_head"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     o = report["overall"]
-    for name in ("independent", "feature_head"):
+    for name in [n for n in ("independent", "feature_head", "context_head") if n in o]:
         s = o[name]
         print(f"{name:14s} greedy alpha {s['greedy_alpha']}  tokens/round {s['tokens_per_round']}"
               f"  forwards/token {s['forwards_per_token']}  accept_t{TEMPERATURE:g} "

@@ -241,27 +241,40 @@ def context_loss(head, batch: ContextBatch, passes: int, tv_weight: float,
 def evaluate_context(head, vmap, seqs: Sequence[ContextSequence], k: int = 4) -> dict:
     """Teacher-forced greedy alpha on greedy sequences (``head_eval``'s definitions): the
     round after continuation token a has real pairs up to the one that reads it."""
-    import torch
 
     full_to_sub = vmap.full_to_sub()
     out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
     counts, hits, total = [], np.zeros(k), np.zeros(k)
     rows = [s for s in seqs if not s.sampled and len(s.tokens) - s.prompt_len > 1]
-    with torch.inference_mode():
-        for s in rows:
-            batch = make_context_batch([s], full_to_sub, len(s.tokens))
-            argmax = [out_full[lg[0].argmax(-1).numpy()]
-                      for lg, _ in unrolled_passes(head, batch.ids, batch.features, k)]
-            gen = s.tokens[s.prompt_len:]
-            pred = np.full((len(gen) - 1, k), -1, np.int64)
-            for a in range(len(gen) - 1):  # after gen[a] = t_c, c = P + a: last real pair c-1
-                for step in range(k):
-                    j = s.prompt_len + a - 1 + step
-                    if a + 1 + step <= len(gen) - 1 and j < len(argmax[step]):
-                        pred[a, step] = argmax[step][j]
-            for i in range(k):
-                starts = np.arange(max(0, len(gen) - 1 - i))
-                hits[i] += int((pred[starts, i] == gen[starts + 1 + i]).sum())
-                total[i] += starts.size
-            counts.append(replay_rounds(lambda a, n, p=pred: p[a, :n], gen, k))
+    for s in rows:
+        pred = context_drafts(head, full_to_sub, out_full, s, k)
+        gen = s.tokens[s.prompt_len:]
+        for i in range(k):
+            starts = np.arange(max(0, len(gen) - 1 - i))
+            hits[i] += int((pred[starts, i] == gen[starts + 1 + i]).sum())
+            total[i] += starts.size
+        counts.append(replay_rounds(lambda a, n, p=pred: p[a, :n], gen, k))
     return summarize(counts, hits, total, len(rows))
+
+
+def context_drafts(head, full_to_sub: np.ndarray, out_full: np.ndarray, s: ContextSequence,
+                   k: int, first_logits: list | None = None) -> np.ndarray:
+    """[G-1, k] full ids: after continuation token a (committed t_0 .. t_c, c = P + a, real
+    pairs 0 .. c-1), the head's greedy drafts 1..k, teacher-forced; -1 past the end. With
+    ``first_logits`` (a list), appends draft 1's logits over the output ids per start."""
+    import torch
+
+    with torch.inference_mode():
+        batch = make_context_batch([s], full_to_sub, len(s.tokens))
+        outs = unrolled_passes(head, batch.ids, batch.features, k)
+    argmax = [out_full[lg[0].argmax(-1).numpy()] for lg, _ in outs]
+    gen_len = len(s.tokens) - s.prompt_len
+    pred = np.full((gen_len - 1, k), -1, np.int64)
+    for a in range(gen_len - 1):
+        for step in range(k):
+            j = s.prompt_len + a - 1 + step
+            if a + 1 + step <= gen_len - 1 and j < len(argmax[step]):
+                pred[a, step] = argmax[step][j]
+        if first_logits is not None:
+            first_logits.append(outs[0][0][0, s.prompt_len + a - 1].numpy())
+    return pred

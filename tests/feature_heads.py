@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edge_client.tools.distill.common import write_json
 from edge_client.tools.distill.head_export import export_onnx, head_metadata
@@ -20,6 +21,26 @@ from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
 from shared.feature_codec import DEFAULT_CODEC
 
 SUB_VOCAB = 48  # of the tiny 96 ids: 47 real ones and the <unk> input slot
+
+
+def distill_prompts(n: int, offset: int = 0):
+    """n distillation prompts over the tiny vocabulary, half chat, half raw (IME)."""
+    from edge_client.tools.distill.prompts import DistillPrompt
+
+    return [DistillPrompt(" ".join(f"t{3 + (7 * i + 5 * j) % 40}" for j in range(3 + i % 4)),
+                          "chat" if i % 2 else "ime", chat=bool(i % 2))
+            for i in range(offset, offset + n)]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Two cores shared with other jobs: more torch threads than free cores spin, not work."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def export_untrained_head(target_dir: Path, out: Path, codec: str = DEFAULT_CODEC,

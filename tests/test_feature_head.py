@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from feature_heads import distill_prompts, one_torch_thread  # noqa: F401
 
 from edge_client.drafter import DraftSampling
 from edge_client.errors import IncompatibleVerifier
@@ -32,29 +33,15 @@ from edge_client.tools.distill.head_train import (
     make_chain_batch,
     train_head,
 )
-from edge_client.tools.distill.prompts import DistillPrompt
 from edge_client.tools.distill.shards import list_shards, load_samples
 from edge_client.tools.distill.vocab import VocabMap
 from shared.feature_codec import DEFAULT_CODEC, EncodedFeature, codec_named
 from shared.fingerprint import fingerprint_tensor_names, weights_fingerprint
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SUB_VOCAB = 48  # of the tiny 96: exercises the <unk> slot and the output index map
 ARCH = HeadArch(sub_vocab=SUB_VOCAB, intermediate=64, max_chain=16)
-
-
-def _prompts(n: int, offset: int = 0) -> list[DistillPrompt]:
-    return [DistillPrompt(" ".join(f"t{3 + (7 * i + 5 * j) % 40}" for j in range(3 + i % 4)),
-                          "chat" if i % 2 else "ime", chat=bool(i % 2))
-            for i in range(offset, offset + n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Two cores shared with other jobs: more torch threads than free cores spin, not work.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +53,8 @@ def data(tmp_path_factory) -> dict[str, Path]:
     cfg = GenConfig(target=target, out=root / "train", shard_size=6,
                     batch_size=6, max_new_tokens=16, top_k=8, sample_fraction=0.5,
                     features=True, threads=1)
-    gen_data(cfg, _prompts(12))
-    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), _prompts(4, offset=40))
+    gen_data(cfg, distill_prompts(12))
+    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), distill_prompts(4, offset=40))
     return {"train": root / "train", "heldout": root / "heldout",
             "target": target, "root": root}
 
@@ -297,6 +284,6 @@ def test_a_head_for_other_target_weights_refuses_to_load(exported):
 def test_train_head_refuses_data_without_features(data, tmp_path):
     plain = GenConfig(target=data["target"], out=tmp_path / "plain", shard_size=4,
                       batch_size=4, max_new_tokens=4, top_k=8, threads=1)
-    gen_data(plain, _prompts(2))
+    gen_data(plain, distill_prompts(2))
     with pytest.raises(ValueError, match="gen-data --features"):
         train_head(replace(_cfg(data, tmp_path / "run", 2), data=tmp_path / "plain"))

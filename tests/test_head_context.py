@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from feature_heads import distill_prompts, one_torch_thread  # noqa: F401
 
 from edge_client.tools.distill.cli import main as distill_main
 from edge_client.tools.distill.data import GenConfig, gen_data
@@ -24,25 +25,12 @@ from edge_client.tools.distill.head_context import (
 from edge_client.tools.distill.head_eval import replay_rounds
 from edge_client.tools.distill.head_model import HeadArch, build_head
 from edge_client.tools.distill.head_train import HeadTrainConfig, train_head
-from edge_client.tools.distill.prompts import DistillPrompt
 from edge_client.tools.distill.shards import list_shards, load_samples, read_shard, write_shard
 from edge_client.tools.distill.vocab import VocabMap
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ARCH = HeadArch(sub_vocab=48, intermediate=64, max_chain=16)
-
-
-def _prompts(n: int, offset: int = 0) -> list[DistillPrompt]:
-    return [DistillPrompt(" ".join(f"t{3 + (7 * i + 5 * j) % 40}" for j in range(3 + i % 4)),
-                          "chat" if i % 2 else "ime", chat=bool(i % 2))
-            for i in range(offset, offset + n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +42,8 @@ def data(tmp_path_factory) -> dict[str, Path]:
     cfg = GenConfig(target=target, out=root / "train", shard_size=6, batch_size=6,
                     max_new_tokens=16, top_k=8, sample_fraction=0.5, features=True,
                     threads=1)
-    gen_data(cfg, _prompts(12))
-    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), _prompts(4, offset=40))
+    gen_data(cfg, distill_prompts(12))
+    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), distill_prompts(4, offset=40))
     return {"train": root / "train", "heldout": root / "heldout", "target": target,
             "root": root}
 

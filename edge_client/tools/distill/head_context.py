@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.tools.distill.head_eval import replay_rounds, summarize
+from edge_client.tools.distill.head_eval import score_predictions
 from edge_client.tools.distill.shards import Sample, list_shards, read_shard, write_shard
 
 log = logging.getLogger("edgespec.distill")
@@ -244,17 +244,9 @@ def evaluate_context(head, vmap, seqs: Sequence[ContextSequence], k: int = 4) ->
 
     full_to_sub = vmap.full_to_sub()
     out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
-    counts, hits, total = [], np.zeros(k), np.zeros(k)
     rows = [s for s in seqs if not s.sampled and len(s.tokens) - s.prompt_len > 1]
-    for s in rows:
-        pred = context_drafts(head, full_to_sub, out_full, s, k)
-        gen = s.tokens[s.prompt_len:]
-        for i in range(k):
-            starts = np.arange(max(0, len(gen) - 1 - i))
-            hits[i] += int((pred[starts, i] == gen[starts + 1 + i]).sum())
-            total[i] += starts.size
-        counts.append(replay_rounds(lambda a, n, p=pred: p[a, :n], gen, k))
-    return summarize(counts, hits, total, len(rows))
+    return score_predictions(((context_drafts(head, full_to_sub, out_full, s, k),
+                               s.tokens[s.prompt_len:]) for s in rows), k, len(rows))
 
 
 def context_drafts(head, full_to_sub: np.ndarray, out_full: np.ndarray, s: ContextSequence,

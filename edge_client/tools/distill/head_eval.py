@@ -75,16 +75,22 @@ def evaluate_torch(head, vmap, samples: Sequence[Sample], codec: str,
     rows = greedy_rows(samples)
     full_to_sub = vmap.full_to_sub()
     out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
+    return score_predictions(
+        ((chain_argmax(head, s, full_to_sub, out_full, k, codec), s.gen_ids.astype(np.int64))
+         for s in rows), k, len(rows))
+
+
+def score_predictions(predictions, k: int, samples: int) -> dict:
+    """``summarize`` over (pred [G-1, k] full ids: the teacher-forced drafts 1..k after each
+    continuation token a, -1 past the end; gen [G]) pairs, one per greedy row."""
     counts, hits, total = [], np.zeros(k), np.zeros(k)
-    for s in rows:
-        pred = chain_argmax(head, s, full_to_sub, out_full, k, codec)  # [G-1, k] full ids
-        gen = s.gen_ids.astype(np.int64)
+    for pred, gen in predictions:
         for i in range(k):
             starts = np.arange(max(0, len(gen) - 1 - i))
             hits[i] += int((pred[starts, i] == gen[starts + 1 + i]).sum())
             total[i] += starts.size
         counts.append(replay_rounds(lambda a, n, p=pred: p[a, :n], gen, k))
-    return summarize(counts, hits, total, len(rows))
+    return summarize(counts, hits, total, samples)
 
 
 def chain_argmax(head, s: Sample, full_to_sub: np.ndarray, out_full: np.ndarray,

@@ -194,7 +194,6 @@ class ContextRunner:
             raise SystemExit(f"{run} is not a train-head --context run")
         self.full_to_sub = vmap.full_to_sub()
         self.out_full = vmap.sub_to_full[vmap.sub_to_full >= 0]
-        self.run = run
 
     def measure(self, target, ids: list[int], path: list[int], tl: np.ndarray,
                 k: int) -> Counts:
@@ -286,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         ind, feat, ds, ts, extra = measure(target, draft, head, bp.ids, args.max_new_tokens,
                                            args.draft_len, stop_ids, ctx)
         if extra is not None:
-            by_cat_ctx.setdefault(bp.category, Counts()).__iadd__(extra)
+            c = by_cat_ctx.setdefault(bp.category, Counts())
+            c += extra
         a, b = by_cat.setdefault(bp.category, (Counts(), Counts()))
         a += ind
         b += feat

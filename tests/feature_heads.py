@@ -67,9 +67,10 @@ def export_untrained_head(target_dir: Path, out: Path, codec: str = DEFAULT_CODE
     return out
 
 
-def save_untrained_context_run(target_dir: Path, run: Path, seed: int = 0) -> Path:
+def save_untrained_context_run(target_dir: Path, run: Path, seed: int = 0,
+                               feature_layers: tuple[int, ...] = ()) -> Path:
     """A ``train-head --context`` run directory holding an untrained head (as ``load_head_run``
-    reads it), for the benches that take one."""
+    reads it; fusing ``feature_layers``), for the benches that take one."""
     import torch
 
     from edge_client.tools.distill.head_model import save_run_meta
@@ -78,10 +79,13 @@ def save_untrained_context_run(target_dir: Path, run: Path, seed: int = 0) -> Pa
     ids = np.arange(SUB_VOCAB, dtype=np.int64)
     ids[-1] = -1
     vmap = VocabMap(ids, shape.vocab)
-    arch = HeadArch(sub_vocab=SUB_VOCAB, intermediate=64, max_chain=16)
+    arch = HeadArch(sub_vocab=SUB_VOCAB, intermediate=64, max_chain=16,
+                    feature_layers=feature_layers)
     head = build_head(arch, target_dir, vmap, seed)
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.4)
+        if feature_layers:
+            head.fuse.weight.normal_(0, 0.1)
     run.mkdir(parents=True, exist_ok=True)
     vmap.save(run / VOCAB_MAP_FILE)
     save_run_meta(run, arch, target_dir, seed, {"feature_codec": DEFAULT_CODEC, "context": True})

@@ -67,7 +67,8 @@ def test_the_bench_runs_both_drafts_on_the_realistic_set(tiny_llama_pair, tmp_pa
     assert report["step_ms"]["feature_head"] > 0 and report["bytes_on_disk"]["feature_head"] > 0
 
 
-def test_the_bench_adds_a_context_head_on_the_same_paths(tiny_llama_pair, tmp_path):
+@pytest.mark.parametrize("layers", [(), (0, 1)], ids=["final-feature", "fused-layers"])
+def test_the_bench_adds_a_context_head_on_the_same_paths(tiny_llama_pair, tmp_path, layers):
     import json
 
     from feature_heads import export_untrained_head, save_untrained_context_run
@@ -75,7 +76,8 @@ def test_the_bench_adds_a_context_head_on_the_same_paths(tiny_llama_pair, tmp_pa
     from edge_client.bench.feature_acceptance import main
 
     head = export_untrained_head(tiny_llama_pair.target_dir, tmp_path / "head")
-    run = save_untrained_context_run(tiny_llama_pair.target_dir, tmp_path / "ctx")
+    run = save_untrained_context_run(tiny_llama_pair.target_dir, tmp_path / "ctx",
+                                     feature_layers=layers)
     out = tmp_path / "fa.json"
     assert main(["--head", str(head), "--context-run", str(run), "--draft-dir",
                  str(tiny_llama_pair.draft_dir), "--target", str(tiny_llama_pair.target_dir),

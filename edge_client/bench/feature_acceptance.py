@@ -202,12 +202,16 @@ class ContextRunner:
         from edge_client.tools.distill.head_context import ContextSequence, context_drafts
 
         tokens = np.asarray(list(ids) + list(path), np.int64)
+        layers = self.head.feature_layers
         with torch.inference_mode():  # the features of every position but the last
-            states = target.model.model(
-                input_ids=torch.from_numpy(tokens[None, :-1]).to(target.device)
-            ).last_hidden_state[0].float().cpu().numpy()
+            out = target.model.model(
+                input_ids=torch.from_numpy(tokens[None, :-1]).to(target.device),
+                output_hidden_states=bool(layers))
+        states = out.last_hidden_state[0].float().cpu().numpy()
+        fused = (np.stack([out.hidden_states[i + 1][0].float().cpu().numpy() for i in layers],
+                          1).astype(np.float16).astype(np.float32) if layers else None)
         seq = ContextSequence(tokens, states.astype(np.float16).astype(np.float32), len(ids),
-                              False)
+                              False, fused)
         first: list[np.ndarray] = []
         pred = context_drafts(self.head, self.full_to_sub, self.out_full, seq, k, first)
         counts = replay(lambda t, n: [int(x) for x in pred[t - 1, :n] if x >= 0], path, k,

@@ -173,6 +173,17 @@ def _add_head_parsers(sub) -> None:
                    help="context heads: unrolled draft steps trained (training-time test)")
     h.add_argument("--max-len", type=int, default=256,
                    help="context heads: pairs per training sequence at most")
+    h.add_argument("--feature-layers", default="",
+                   help="context heads: decoder layers (e.g. 2,15,27) whose outputs are fused "
+                        "with the final-norm feature (EAGLE-3); layer-features writes them")
+
+    lf = sub.add_parser("layer-features", help="the target's states at some decoder layers for "
+                                               "every position of gen-data --features shards")
+    lf.add_argument("--data", type=Path, nargs="+", required=True)
+    lf.add_argument("--layers", required=True, help="comma-separated decoder layers, e.g. 2,15,27")
+    lf.add_argument("--target", type=Path, default=None)
+    lf.add_argument("--batch-size", type=int, default=8)
+    lf.add_argument("--threads", type=int, default=0)
 
     f = sub.add_parser("prompt-features", help="backfill the target's features at every prompt "
                                                "position of gen-data --features shards")
@@ -198,12 +209,15 @@ def _add_head_parsers(sub) -> None:
 
 def _run_head(args) -> None:
     if args.cmd == "train-head":
+        from edge_client.tools.distill.head_layers import parse_layers
         from edge_client.tools.distill.head_model import HeadArch
         from edge_client.tools.distill.head_train import HeadTrainConfig, train_head
 
         train_head(HeadTrainConfig(
             args.run_dir, args.data, args.heldout, args.target,
-            HeadArch(args.sub_vocab, args.intermediate, args.max_chain), steps=args.steps,
+            HeadArch(args.sub_vocab, args.intermediate, args.max_chain,
+                     parse_layers(args.feature_layers) if args.feature_layers else ()),
+            steps=args.steps,
             batch_size=args.batch_size, chain_len=args.chain_len, lr=args.lr,
             warmup=args.warmup, tv_weight=args.tv_weight, feature_weight=args.feature_weight,
             seed=args.seed, ckpt_every_s=args.ckpt_every_s,
@@ -219,6 +233,14 @@ def _run_head(args) -> None:
         for d in args.data:
             print(json.dumps({"data": str(d), **backfill_prompt_features(
                 d, target, args.batch_size, args.threads)}))
+    elif args.cmd == "layer-features":
+        from edge_client.tools.distill.common import default_target
+        from edge_client.tools.distill.head_layers import backfill_layer_features, parse_layers
+
+        target, layers = args.target or default_target(), parse_layers(args.layers)
+        for d in args.data:
+            print(json.dumps({"data": str(d), **backfill_layer_features(
+                d, target, layers, args.batch_size, args.threads)}))
     else:
         from edge_client.tools.distill.common import jsonable
         from edge_client.tools.distill.head_export import HeadExportConfig, export_head
@@ -296,7 +318,7 @@ def _run(args) -> int:
             torch.set_num_threads(args.threads)
         res = import_onnx(args.draft, args.out, args.target, args.check_tokens)
         print(json.dumps(jsonable({k: v for k, v in res.items() if k != "sources"}), indent=2))
-    elif args.cmd in ("train-head", "export-head", "prompt-features"):
+    elif args.cmd in ("train-head", "export-head", "prompt-features", "layer-features"):
         _run_head(args)
     elif args.cmd == "eval":
         from edge_client.tools.distill.evaluate import eval_command

@@ -57,20 +57,32 @@ class ContextSequence:
     features: np.ndarray  # [T-1, H] f_0 .. f_{T-2}
     prompt_len: int
     sampled: bool
+    # [T-1, L, H]: the target's layers' states at the same positions, for a head that fuses
+    # them (``head_layers``); None for one that reads f_j alone.
+    layer_features: np.ndarray | None = None
 
 
-def context_sequences(samples: Sequence[Sample]) -> list[ContextSequence]:
-    """The samples as whole sequences; ValueError when a shard lacks prompt features."""
+def context_sequences(samples: Sequence[Sample],
+                      layer_features: Sequence[np.ndarray] | None = None
+                      ) -> list[ContextSequence]:
+    """The samples as whole sequences (with ``head_layers.load_layer_features``' rows, one
+    array per sample, when given); ValueError when a shard lacks prompt features."""
     out = []
-    for s in samples:
+    if layer_features is not None and len(layer_features) != len(samples):
+        raise ValueError(f"{len(layer_features)} layer-feature rows for {len(samples)} samples")
+    for n, s in enumerate(samples):
         if s.features is None or s.prompt_features is None:
             raise ValueError("context training needs gen-data --features shards with prompt "
                              "features; backfill older ones with edgespec-distill "
                              "prompt-features --data DIR")
         tokens = np.concatenate([s.prompt_ids, s.gen_ids]).astype(np.int64)
         feats = np.concatenate([s.prompt_features[:-1], s.features])
+        layers = None if layer_features is None else layer_features[n]
+        if layers is not None and len(layers) != len(feats):
+            raise ValueError(f"sample {n}: {len(layers)} layer-feature rows for {len(feats)} "
+                             "positions (layer features of other data?)")
         if len(tokens) >= 3:
-            out.append(ContextSequence(tokens, feats, len(s.prompt_ids), s.sampled))
+            out.append(ContextSequence(tokens, feats, len(s.prompt_ids), s.sampled, layers))
     return out
 
 
@@ -139,6 +151,7 @@ class ContextBatch:
     features: object  # [B, L, H] f_j
     targets: object  # [B, L, H] f_{j+1}
     valid: object  # [B, L] bool
+    layers: object = None  # [B, L, nL, H] the fused layers' states at j, or None
 
 
 def make_context_batch(seqs: Sequence[ContextSequence], full_to_sub: np.ndarray,
@@ -152,18 +165,25 @@ def make_context_batch(seqs: Sequence[ContextSequence], full_to_sub: np.ndarray,
     f = np.zeros((b, width, hidden), np.float32)
     tgt = np.zeros((b, width, hidden), np.float32)
     valid = np.zeros((b, width), bool)
+    fused = seqs[0].layer_features is not None
+    layers = (np.zeros((b, width) + seqs[0].layer_features.shape[1:], np.float32) if fused
+              else None)
     for r, (s, n) in enumerate(zip(seqs, lengths, strict=True)):
         ids[r, :n] = full_to_sub[s.tokens[1:n + 1]]
         f[r, :n] = s.features[:n]
         tgt[r, :n] = s.features[1:n + 1]
         valid[r, :n] = True
-    return ContextBatch(*(torch.from_numpy(x) for x in (ids, f, tgt, valid)))
+        if fused:
+            layers[r, :n] = s.layer_features[:n]
+    return ContextBatch(*(torch.from_numpy(x) for x in (ids, f, tgt, valid)),
+                        torch.from_numpy(layers) if fused else None)
 
 
-def unrolled_passes(head, ids, features, passes: int) -> list[tuple[object, object]]:
+def unrolled_passes(head, ids, features, passes: int,
+                    layers=None) -> list[tuple[object, object]]:
     """[(logits [B, L, M], predicted features [B, L, H])] for passes 1..``passes`` (module
     docstring): pass s at position j is draft step s of the round whose last real pair is
-    j-s+1."""
+    j-s+1. ``layers``: the fused layers' states of a head with ``feature_layers``."""
     import torch
 
     b, n = ids.shape
@@ -171,7 +191,7 @@ def unrolled_passes(head, ids, features, passes: int) -> list[tuple[object, obje
     group = head.heads // head.kv_heads
     scale = 1.0 / math.sqrt(head.head_dim)
     keys, values, outs = [], [], []
-    g = features
+    g = head.real_features(features, layers)
     rows = torch.arange(n)[:, None]
     for s in range(1, passes + 1):
         x = head.fc(torch.cat([head.norm_token(head.embed(ids)), head.norm_feature(g)], -1))
@@ -221,7 +241,7 @@ def context_loss(head, batch: ContextBatch, passes: int, tv_weight: float,
         logp = torch.log(p.clamp_min(1e-12))
     loss, parts = 0.0, {"kl": 0.0, "tv": 0.0, "feature": 0.0}
     for s, (logits, pred) in enumerate(unrolled_passes(head, batch.ids, batch.features,
-                                                       passes), 1):
+                                                       passes, batch.layers), 1):
         exists = valid.clone()
         exists[:, :s - 1] = False
         keep = exists[valid]
@@ -258,7 +278,7 @@ def context_drafts(head, full_to_sub: np.ndarray, out_full: np.ndarray, s: Conte
 
     with torch.inference_mode():
         batch = make_context_batch([s], full_to_sub, len(s.tokens))
-        outs = unrolled_passes(head, batch.ids, batch.features, k)
+        outs = unrolled_passes(head, batch.ids, batch.features, k, batch.layers)
     argmax = [out_full[lg[0].argmax(-1).numpy()] for lg, _ in outs]
     gen_len = len(s.tokens) - s.prompt_len
     pred = np.full((gen_len - 1, k), -1, np.int64)

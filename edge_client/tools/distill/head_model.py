@@ -42,9 +42,14 @@ class HeadArch:
     sub_vocab: int = 8192  # draft ids incl. the <unk> input slot; the main size/speed lever
     intermediate: int = 1536  # the decoder layer's MLP width
     max_chain: int = 32  # the most chain positions the runtime accepts (RoPE is trained below)
+    # Context heads only (``head_layers``): decoder layers whose outputs are fused with f_j at
+    # the real positions, EAGLE-3's low/middle/high features. (): f_j alone.
+    feature_layers: tuple[int, ...] = ()
 
 
 def head_arch_from_json(obj: dict) -> HeadArch:
+    obj = dict(obj)
+    obj["feature_layers"] = tuple(obj.get("feature_layers") or ())
     return HeadArch(**obj)
 
 
@@ -133,6 +138,7 @@ def _modules():
             super().__init__()
             h, hd = shape.hidden, shape.head_dim
             self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, hd
+            self.feature_layers = tuple(arch.feature_layers)
             self.embed = nn.Embedding(n_in, h)  # frozen target rows (+ <unk>)
             self.lm_head = nn.Linear(h, n_out, bias=False)  # frozen target rows
             self.embed.weight.requires_grad_(False)
@@ -150,6 +156,10 @@ def _modules():
             self.up_proj = nn.Linear(h, arch.intermediate, bias=False)
             self.down_proj = nn.Linear(arch.intermediate, h, bias=False)
             self.out_norm = RMSNorm(h, shape.eps)
+            if arch.feature_layers:  # f_j and each layer's state, each normed, mapped to H
+                n = len(arch.feature_layers)
+                self.layer_norms = nn.ModuleList(RMSNorm(h, shape.eps) for _ in range(n))
+                self.fuse = nn.Linear((n + 1) * h, h, bias=False)
             inv_freq = 1.0 / shape.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -161,6 +171,18 @@ def _modules():
             half = x.shape[-1] // 2
             rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
             return x * cos + rotated * sin
+
+        def real_features(self, features, layer_states=None):
+            """The step input g at a real position: f_j itself, or with ``feature_layers``
+            the fusion of f_j [.., H] and ``layer_states`` [.., L, H]."""
+            if not hasattr(self, "fuse"):
+                return features
+            if layer_states is None:
+                raise ValueError("this head fuses target layers "
+                                 f"{self.feature_layers}: give their states")
+            parts = [features] + [norm(layer_states[..., i, :])
+                                  for i, norm in enumerate(self.layer_norms)]
+            return self.fuse(torch.cat(parts, -1))
 
         def forward(self, input_ids, features, past_key, past_value):
             """input_ids [B, n] draft ids; features [B, n, H] the step inputs g; past_key,
@@ -222,6 +244,9 @@ def build_head(arch: HeadArch, target_dir: Path, vmap: VocabMap, seed: int):
         head.embed.weight.copy_(torch.from_numpy(rows))
         head.lm_head.weight.copy_(torch.from_numpy(out[vmap.sub_to_full[real]]))
         head.out_norm.weight.copy_(torch.from_numpy(w["model.norm.weight"]))
+        if arch.feature_layers:  # starts as f_j alone; the layers' blocks learn from zero
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, :shape.hidden].copy_(torch.eye(shape.hidden))
     return head
 
 

@@ -48,6 +48,7 @@ from edge_client.tools.distill.head_context import (
     make_context_batch,
 )
 from edge_client.tools.distill.head_eval import evaluate_torch
+from edge_client.tools.distill.head_layers import load_layer_features
 from edge_client.tools.distill.head_model import (
     HeadArch,
     TargetShape,
@@ -185,6 +186,8 @@ def train_head(cfg: HeadTrainConfig) -> dict:
     """Train until ``cfg.steps``, resuming from ``<run_dir>/ckpt.pt`` when it exists."""
     import torch
 
+    if cfg.arch.feature_layers and not cfg.context:
+        raise ValueError("--feature-layers needs --context: chain heads read f_j alone")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     run = Path(cfg.run_dir)
@@ -254,7 +257,11 @@ def train_head(cfg: HeadTrainConfig) -> dict:
         raise ValueError("no sample has two generated tokens: nothing to chain")
     heldout = heldout_samples(cfg.heldout, cfg.eval_samples)
     if cfg.context:
-        seqs, heldout_seqs = context_sequences(samples), context_sequences(heldout)
+        fused = arch.feature_layers
+        seqs = context_sequences(samples, load_layer_features(state["shards"], fused)
+                                 if fused else None)
+        heldout_seqs = context_sequences(heldout, load_layer_features(
+            list_shards(cfg.heldout), fused)[:len(heldout)] if fused and heldout else None)
 
     def next_batch(step: int):
         """(loss, parts, positions trained) of step ``step``'s batch."""
@@ -263,6 +270,8 @@ def train_head(cfg: HeadTrainConfig) -> dict:
             picked = [seqs[i] for i in rng.integers(0, len(seqs), cfg.batch_size)]
             cb = make_context_batch(picked, full_to_sub, cfg.max_len)
             cb.features = wire_round_trip(cb.features, codec)
+            if cb.layers is not None:  # the verifier would send them in the same form
+                cb.layers = wire_round_trip(cb.layers, codec)
             loss, parts = context_loss(head, cb, cfg.passes, cfg.tv_weight,
                                        cfg.feature_weight)
             return loss, parts, int(cb.valid.sum())

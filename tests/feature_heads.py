@@ -32,6 +32,25 @@ def distill_prompts(n: int, offset: int = 0):
             for i in range(offset, offset + n)]
 
 
+def context_data(root: Path) -> dict[str, Path]:
+    """A tiny target (two layers) and gen-data --features shards of it for context heads:
+    12 training prompts (half sampled) and 4 greedy held-out ones."""
+    from dataclasses import replace
+
+    from conftest import save_tiny_llama
+
+    from edge_client.tools.distill.data import GenConfig, gen_data
+
+    target = save_tiny_llama(root / "target", num_layers=2, seed=0)
+    cfg = GenConfig(target=target, out=root / "train", shard_size=6, batch_size=6,
+                    max_new_tokens=16, top_k=8, sample_fraction=0.5, features=True,
+                    threads=1)
+    gen_data(cfg, distill_prompts(12))
+    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), distill_prompts(4, offset=40))
+    return {"train": root / "train", "heldout": root / "heldout", "target": target,
+            "root": root}
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Two cores shared with other jobs: more torch threads than free cores spin, not work."""

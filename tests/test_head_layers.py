@@ -12,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from feature_heads import distill_prompts, one_torch_thread  # noqa: F401
+from feature_heads import context_data, one_torch_thread  # noqa: F401
 
 from edge_client.tools.distill.cli import main as distill_main
-from edge_client.tools.distill.data import GenConfig, gen_data
 from edge_client.tools.distill.head_context import (
     context_sequences,
     make_context_batch,
@@ -40,18 +39,10 @@ ARCH = HeadArch(sub_vocab=48, intermediate=64, max_chain=16, feature_layers=LAYE
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, Path]:
-    from conftest import save_tiny_llama
-
-    root = tmp_path_factory.mktemp("layers")
-    target = save_tiny_llama(root / "target", num_layers=2, seed=0)
-    cfg = GenConfig(target=target, out=root / "train", shard_size=6, batch_size=6,
-                    max_new_tokens=16, top_k=8, sample_fraction=0.5, features=True,
-                    threads=1)
-    gen_data(cfg, distill_prompts(12))
-    gen_data(replace(cfg, out=root / "heldout", sample_fraction=0.0), distill_prompts(4, offset=40))
+    data = context_data(tmp_path_factory.mktemp("layers"))
     for d in ("train", "heldout"):
-        backfill_layer_features(root / d, target, LAYERS, batch_size=4, threads=1)
-    return {"train": root / "train", "heldout": root / "heldout", "target": target}
+        backfill_layer_features(data[d], data["target"], LAYERS, batch_size=4, threads=1)
+    return data
 
 
 def _sequences(data, split: str = "train"):

@@ -22,6 +22,10 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
 - ``head_model``, ``head_train`` (``train-head``), ``head_eval``, ``head_export``
   (``export-head``): a one-layer draft head conditioned on the target's final hidden state,
   run on the edge by ``edge_client.feature_draft`` (``docs/feature-draft.md``).
+- ``head_context`` (``train-head --context``, ``prompt-features``), ``head_layers``
+  (``layer-features``, ``--feature-layers``): context heads, which attend over the target's
+  features of the whole text, optionally fused with some of its decoder layers' states; no
+  edge runtime yet.
 - ``prompts``: the distillation prompts (data files) and their fixed held-out split.
 
 Notation as in ``cloud_verifier.verification``: p is the target, q the draft, K the draft

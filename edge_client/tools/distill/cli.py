@@ -4,8 +4,9 @@ Subcommands (each one checkpoints; kill it at any moment and rerun the same comm
 ``gen-prompts`` (module ``magpie``), ``gen-data`` (module ``data``), ``train`` (``train``),
 ``export`` (``export``), ``eval`` (``evaluate``), ``import-onnx`` (``onnx_import``: a shipped
 ONNX draft back into a run dir for ``train --init-from``), and for the draft head conditioned on the
-target's hidden state ``train-head`` (``head_train``) and ``export-head`` (``head_export``);
-the package docstring says what each does. A stage's module is imported when its subcommand
+target's hidden state ``train-head`` (``head_train``), ``export-head`` (``head_export``),
+``prompt-features`` (``head_context``) and ``layer-features`` (``head_layers``); the package
+docstring says what each does. A stage's module is imported when its subcommand
 runs, and none imports torch at module level, so ``--help`` and ``--version`` load no torch.
 """
 

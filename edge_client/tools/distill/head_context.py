@@ -62,6 +62,12 @@ class ContextSequence:
     layer_features: np.ndarray | None = None
 
 
+def sequence_features(s: Sample) -> np.ndarray:
+    """[T-1, H] f_0 .. f_{T-2} of a sample: its prompt rows but the last (which is
+    ``features[0]``), then the continuation's."""
+    return np.concatenate([s.prompt_features[:-1], s.features])
+
+
 def context_sequences(samples: Sequence[Sample],
                       layer_features: Sequence[np.ndarray] | None = None
                       ) -> list[ContextSequence]:
@@ -76,7 +82,7 @@ def context_sequences(samples: Sequence[Sample],
                              "features; backfill older ones with edgespec-distill "
                              "prompt-features --data DIR")
         tokens = np.concatenate([s.prompt_ids, s.gen_ids]).astype(np.int64)
-        feats = np.concatenate([s.prompt_features[:-1], s.features])
+        feats = sequence_features(s)
         layers = None if layer_features is None else layer_features[n]
         if layers is not None and len(layers) != len(feats):
             raise ValueError(f"sample {n}: {len(layers)} layer-feature rows for {len(feats)} "

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.tools.distill.shards import Sample, list_shards, read_shard
+from edge_client.tools.distill.head_context import sequence_features
+from edge_client.tools.distill.shards import list_shards, read_shard
 
 log = logging.getLogger("edgespec.distill")
 
@@ -49,12 +50,6 @@ def parse_layers(text: str, num_layers: int | None = None) -> tuple[int, ...]:
         raise ValueError(f"feature layers {text!r}: the target has decoder layers 0.."
                          f"{num_layers - 1}")
     return layers
-
-
-def _sequence_features(s: Sample) -> np.ndarray:
-    """[T-1, H]: the final-norm rows a context sequence reads (prompt rows but the last, then
-    the continuation's)."""
-    return np.concatenate([s.prompt_features[:-1], s.features])
 
 
 def backfill_layer_features(data_dir: Path, target_dir: Path, layers: Sequence[int],
@@ -100,7 +95,7 @@ def backfill_layer_features(data_dir: Path, target_dir: Path, layers: Sequence[i
             picked = torch.stack([hs[i + 1] for i in layers], 2)  # [B, W, L, H]
             for r, (i, s) in enumerate(zip(idx, seqs, strict=True)):
                 n = len(s)
-                recorded = _sequence_features(samples[i]).astype(np.float32)
+                recorded = sequence_features(samples[i]).astype(np.float32)
                 err = float(np.abs(hs[-1][r, :n].numpy() - recorded).max())
                 worst = max(worst, err)
                 if err > tolerance:

@@ -1,15 +1,13 @@
 """Choosing the drafter of a generation: the ONNX model, prompt lookup, both combined, or
 the feature head fed by the verifier's target features (edge_client.feature_drafter).
 
-``CombinedDrafter`` proposes the n-gram continuation when the context has one and asks the
-model otherwise. Each round's drafts come from one drafter only, so a Draft message never
-mixes point masses with sparse q: an n-gram round sends no q at all (an empty ``Draft.q``
-means point masses to the verifier), a model round in sampling mode sends one sparse q per
-draft. Both are lossless; the empty q also keeps the n-gram rounds' payload to the ids alone.
-
-The model drafter is not fed during n-gram rounds. Its ``resync`` crops its cache to the
-prefix it shares with whatever was committed since and feeds the missing tokens in one
-forward, so its cache is right whichever drafter proposed the rounds before.
+``combined`` chooses per position: where the text so far ends in two or more tokens that
+occurred earlier, it proposes the token that followed them (``ContextLookup``), and asks the
+model everywhere else (``ModelDrafter`` with a lookup). Copies win where text repeats (names,
+list scaffolding, code, the prompt's own words); a single repeated token is left to the model,
+which beats the lookup there two to one (docs/benchmarks.md "Combined drafting"). Each choice
+depends on the context alone, so both greedy identity and the sampling law hold.
+``ngram`` alone copies whole rounds, as point masses with no q on the wire.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from edge_client.draft_model import OnnxDraftModel
 from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
 from edge_client.feature_draft import FeatureHead
 from edge_client.feature_drafter import FeatureDrafter, LatestFeature
-from edge_client.ngram_drafter import NgramDrafter
+from edge_client.ngram_drafter import ContextLookup, NgramDrafter
 
 FEATURE = "feature"  # edge_client.feature_drafter: needs a head and the verifier's features
 DRAFTER_KINDS = ("model", "ngram", "combined", FEATURE)
@@ -33,25 +31,6 @@ class Drafter(Protocol):
     def resync(self, committed: list[int]) -> int: ...
 
     def propose(self, committed: list[int], k: int) -> Proposal: ...
-
-
-class CombinedDrafter:
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter) -> None:
-        self.model = model
-        self.ngram = ngram
-        self.ngram_rounds = 0
-        self.model_rounds = 0
-
-    def resync(self, committed: list[int]) -> int:
-        return self.model.resync(committed)
-
-    def propose(self, committed: list[int], k: int) -> Proposal:
-        proposal = self.ngram.propose(committed, k)
-        if proposal.tokens:
-            self.ngram_rounds += 1
-            return proposal
-        self.model_rounds += 1
-        return self.model.propose(committed, k)
 
 
 def make_drafter(kind: str, model: OnnxDraftModel, sampling: DraftSampling,
@@ -68,5 +47,5 @@ def make_drafter(kind: str, model: OnnxDraftModel, sampling: DraftSampling,
     if kind == "ngram":
         return NgramDrafter()
     if kind == "combined":
-        return CombinedDrafter(ModelDrafter(model, sampling, rng), NgramDrafter())
+        return ModelDrafter(model, sampling, rng, lookup=ContextLookup())
     raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")

@@ -9,10 +9,19 @@ never past ``committed[:-1]`` because the next draft needs the logits after the 
 committed token. The tokens not yet cached (the correction or bonus token, and after a fully
 accepted round also d_K) are then fed in one forward. That feed of d_K is the step many
 implementations forget.
+
+With a ``lookup`` (the combined drafter: ``edge_client.ngram_drafter.ContextLookup``), each
+position asks the lookup first and the model only where it has nothing, so a round can mix
+copied tokens and model tokens. The model is fed lazily: only when its logits are needed,
+everything since its cache's end in one forward; a round the lookup drafts whole runs no
+model forward. In sampling mode a copied token travels as the point mass it was drawn from,
+q = {token: 1}. The choice per position depends on the context alone, not on what is drawn
+there, so verification stays lossless.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,12 +57,18 @@ class Proposal:
                         None if c is None else c[:k])
 
 
+# A per-position proposal that needs no model: (token, chance it is the target's) or None.
+Lookup = Callable[[Sequence[int]], "tuple[int, float] | None"]
+_POINT_MASS = np.ones(1, dtype=np.float32)
+
+
 class ModelDrafter:
     def __init__(self, model: OnnxDraftModel, sampling: DraftSampling,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, lookup: Lookup | None = None) -> None:
         self.model = model
         self.sampling = sampling
         self.rng = rng
+        self.lookup = lookup
         self.cache = model.new_cache()
         self._fed: list[int] = []  # the tokens whose keys/values the cache holds
         self.forward_calls = 0
@@ -74,23 +89,31 @@ class ModelDrafter:
         self.resync(committed)
         if k == 0:
             return Proposal([], None)
-        logits = self._feed(committed[len(self._fed):])
+        context = list(committed)  # committed + the drafts so far
         tokens: list[int] = []
         q: list[tuple[np.ndarray, np.ndarray]] = []
         confidence: list[float] = []
         s = self.sampling
-        for i in range(k):
-            if s.is_greedy:
-                token = int(np.argmax(logits))
-                confidence.append(top_probability(logits))
+        for _ in range(k):
+            hit = self.lookup(context) if self.lookup is not None else None
+            if hit is not None:
+                token, sure = hit
+                confidence.append(sure)
+                q.append((np.array([token], dtype=np.int64), _POINT_MASS))
             else:
-                ids, probs = truncated_distribution(logits, s.temperature, s.top_k, s.top_p,
-                                                    s.max_support)
-                token = sample(ids, probs, self.rng)
-                q.append((ids, probs))
+                # The cache holds a prefix of context, never all of it: resync keeps it short
+                # of the last committed token, and each draft joins context before it is fed.
+                logits = self._feed(context[len(self._fed):])
+                if s.is_greedy:
+                    token = int(np.argmax(logits))
+                    confidence.append(top_probability(logits))
+                else:
+                    ids, probs = truncated_distribution(logits, s.temperature, s.top_k,
+                                                        s.top_p, s.max_support)
+                    token = sample(ids, probs, self.rng)
+                    q.append((ids, probs))
             tokens.append(token)
-            if i < k - 1:
-                logits = self._feed([token])
+            context.append(token)
         if s.is_greedy:
             return Proposal(tokens, None, confidence)
         return Proposal(tokens, q)

@@ -158,7 +158,7 @@ def test_report_fields_and_ranges(report):
         # The replay is exact: at K it equals the rounds the engine really ran.
         assert by_k[str(K)] == pytest.approx(d["greedy"]["tokens_per_round"])
     assert report["drafters"]["model"]["greedy"]["rounds_without_proposal"] == 0
-    assert 0 <= report["drafters"]["combined"]["greedy"]["ngram_round_share"] <= 1
+    assert 0 <= report["drafters"]["combined"]["greedy"]["lookup_draft_share"] <= 1
     lat = report["latency"]
     assert lat["draft_step_ms_median"] > 0 and lat["target_step_ms_median"] > 0
     mv = report["model_vs_target"]
@@ -196,7 +196,8 @@ def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path
 
 def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path):
     """The greedy tokens/round by K come from the draft's trace along the target's path; for
-    every K and several prompts they equal replaying the real ONNX drafter round by round.
+    every K and several prompts they equal replaying the real ONNX drafter round by round,
+    the model alone and combined with the per-position lookup.
     The draft is the target's first layer, so it agrees often but not always."""
     import numpy as np
     from transformers import AutoModelForCausalLM
@@ -211,6 +212,7 @@ def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path
     from edge_client.combined_drafter import make_drafter
     from edge_client.draft_model import OnnxDraftModel
     from edge_client.drafter import DraftSampling
+    from edge_client.ngram_drafter import ContextLookup
     from edge_client.tools.export_draft import export_onnx
 
     truncated = AutoModelForCausalLM.from_pretrained(tiny_llama_pair.target_dir)
@@ -222,19 +224,22 @@ def test_path_replay_equals_replaying_the_real_drafter(tiny_llama_pair, tmp_path
     target = load_target(str(tiny_llama_pair.target_dir))
     model = OnnxDraftModel(export_onnx(tmp_path / "pt", tmp_path / "onnx"), intra_op_threads=1)
     stop = frozenset(target.eos_token_ids)
-    compared, agree = 0, []
+    compared, copied, agree = 0, 0, []
     for seed in range(6):
         prompt = np.random.default_rng(seed).integers(3, 90, size=4 + seed).tolist()
         path, _, _ = target_greedy_path(target, prompt, 16, stop)
         draft_argmax = draft_trace(model, prompt, path)[0].argmax(-1)
         agree += (draft_argmax == np.array(path)).tolist()
         for k in range(1, 9):
-            real = make_drafter("model", model, DraftSampling(), np.random.default_rng(0))
-            fast = PathDrafter(len(prompt), path, draft_argmax)
-            assert (replay_greedy_rounds(fast, prompt, path, k, 16)
-                    == replay_greedy_rounds(real, prompt, path, k, 16)), (seed, k)
-            compared += 1
-    assert compared == 48
+            for kind in ("model", "combined"):
+                real = make_drafter(kind, model, DraftSampling(), np.random.default_rng(0))
+                fast = PathDrafter(len(prompt), path, draft_argmax,
+                                   ContextLookup() if kind == "combined" else None)
+                assert (replay_greedy_rounds(fast, prompt, path, k, 16)
+                        == replay_greedy_rounds(real, prompt, path, k, 16)), (seed, k, kind)
+                copied += 0 if fast.lookup is None else fast.lookup.proposed
+                compared += 1
+    assert compared == 96 and copied > 0
     assert 0.2 < np.mean(agree) < 0.9, np.mean(agree)  # both branches of every round exercised
 
 

@@ -1,5 +1,6 @@
 """Prompt-lookup (n-gram) drafting and the combined drafter: lookup on hand-built sequences,
-the model drafter's cache under mixed rounds, and greedy identity end to end."""
+per-position choice and the model drafter's cache under mixed rounds, greedy identity end to
+end."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ import torch
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
 from edge_client.client import EdgeClient, GenerationConfig
-from edge_client.combined_drafter import CombinedDrafter, make_drafter
+from edge_client.combined_drafter import make_drafter
 from edge_client.draft_model import OnnxDraftModel
-from edge_client.drafter import DraftSampling, ModelDrafter
-from edge_client.ngram_drafter import NgramDrafter, find_continuation
+from edge_client.drafter import DraftSampling
+from edge_client.ngram_drafter import (
+    LOOKUP_CONFIDENCE,
+    ContextLookup,
+    NgramDrafter,
+    find_continuation,
+    longest_match,
+)
 
 PROMPT = [1, 17, 42, 5, 63, 8]  # no token repeats: the n-gram drafter finds nothing
 
@@ -87,43 +94,98 @@ def draft_model(tiny_llama_pair):
     return OnnxDraftModel(tiny_llama_pair.draft_dir)
 
 
-def test_combined_falls_back_to_the_model_and_keeps_its_cache_in_sync(draft_model):
+def test_context_lookup_needs_two_repeated_tokens_and_reports_its_confidence():
+    lookup = ContextLookup()
+    assert lookup([5, 17, 42, 9, 5]) is None  # only "5" repeats
+    assert lookup([5, 17, 42, 9, 5, 17]) == (42, LOOKUP_CONFIDENCE[2])
+    assert lookup([1, 2, 3, 4, 9, 1, 2, 3, 4]) == (9, LOOKUP_CONFIDENCE[4])
+    long = list(range(20)) + [77] + list(range(20))
+    assert lookup(long) == (77, LOOKUP_CONFIDENCE[8])  # n capped at max_ngram = 8
+    assert lookup.proposed == 3
+    assert longest_match([5, 17, 42, 9, 5, 17], 8, 2) == (2, 2)
+    assert ContextLookup(min_ngram=1)([5, 17, 42, 9, 5]) == (17, LOOKUP_CONFIDENCE[1])
+    with pytest.raises(ValueError, match="min_ngram"):
+        ContextLookup(max_ngram=2, min_ngram=3)
+
+
+def reference_combined(model: OnnxDraftModel, committed: list[int], k: int) -> list[int]:
+    """Greedy combined drafts by plain means: per position, the follower of the longest
+    earlier suffix of 2..8 tokens, else the argmax of a fresh forward over the context."""
+    out: list[int] = []
+    for _ in range(k):
+        context = committed + out
+        match = longest_match(context, 8, 2)
+        if match is not None:
+            out.append(context[match[0]])
+        else:
+            out.append(int(model.forward(model.new_cache(), context)[-1].argmax()))
+    return out
+
+
+def mixed_context(model: OnnxDraftModel) -> list[int]:
+    """A context whose combined round starts with the model and then copies: it ends in a
+    token y seen once before, followed there by d, the model's own next token here (found as
+    a fixed point of "d = the argmax after X y d Z y")."""
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        x, z = rng.integers(3, 90, size=5).tolist(), rng.integers(3, 90, size=3).tolist()
+        y, d = int(rng.integers(3, 90)), 0
+        for _ in range(4):
+            context = x + [y, d] + z + [y]
+            nxt = int(model.forward(model.new_cache(), context)[-1].argmax())
+            if nxt == d and longest_match(context, 8, 2) is None:
+                return context
+            d = nxt
+    raise AssertionError("no context found")
+
+
+def test_combined_chooses_per_position_and_keeps_the_model_cache_in_sync(draft_model):
     model = draft_model
-    combined = CombinedDrafter(ModelDrafter(model, DraftSampling(), np.random.default_rng(0)),
-                               NgramDrafter())
+    combined = make_drafter("combined", model, DraftSampling(), np.random.default_rng(0))
+    rng = np.random.default_rng(3)
+    committed = mixed_context(model)
+    sources = set()
+    for _ in range(16):
+        calls = combined.forward_calls
+        proposal = combined.propose(committed, 4)
+        assert proposal.tokens == reference_combined(model, committed, 4)
+        assert len(proposal.confidence) == 4 and proposal.q is None
+        context = committed + proposal.tokens
+        hits = [longest_match(context[:len(committed) + j], 8, 2) is not None
+                for j in range(4)]
+        sources.add(tuple(hits))
+        if all(hits):
+            assert combined.forward_calls == calls  # a round copied whole runs no forward
+        # The cache holds exactly a prefix of the context, as a fresh forward computes it.
+        fed = combined._fed
+        assert fed == context[:len(fed)]
+        if fed:
+            for got, want in zip(combined.cache.keys, fresh_keys(model, fed), strict=True):
+                np.testing.assert_allclose(got, want, atol=1e-5)
+        # Commit a random prefix of the drafts, then either a fresh token or a copy of an
+        # earlier span (text that repeats), so later rounds mix copied and modelled positions.
+        keep = int(rng.integers(0, 5))
+        if rng.random() < 0.5:
+            at, n = int(rng.integers(0, len(committed) - 3)), int(rng.integers(2, 4))
+            tail = committed[at:at + n]
+        else:
+            tail = [int(rng.integers(3, 90))]
+        committed += proposal.tokens[:keep] + tail
+    assert any(all(h) for h in sources) and any(not any(h) for h in sources)
+    assert any(any(h) and not all(h) for h in sources), sources  # mixed rounds happened
 
-    # Round 1: nothing repeats, so the model drafts, as a fresh model drafter would.
-    first = combined.propose(PROMPT, 4)
-    assert first.tokens == ModelDrafter(model, DraftSampling(),
-                                        np.random.default_rng(0)).propose(PROMPT, 4).tokens
-    # Round 2: "17 42" occurred before, so the n-gram drafts and the model is not run.
-    committed = PROMPT + first.tokens[:1] + [17, 42]
-    length = combined.model.cache.length
-    second = combined.propose(committed, 4)
-    assert second.tokens == [5, 63, 8, first.tokens[0]] and second.q is None
-    assert combined.model.cache.length == length
-    # Round 3: a never-seen token ends the context; the model catches up over both rounds.
-    new = next(t for t in range(3, model.vocab_size) if t not in committed + second.tokens)
-    committed += second.tokens[:2] + [new]
-    third = combined.propose(committed, 3)
-    assert (combined.ngram_rounds, combined.model_rounds) == (1, 2)
-    assert combined.model.cache.length == len(committed) + 2  # d_3 is sampled, never fed
-    for got, want in zip(combined.model.cache.keys,
-                         fresh_keys(model, committed + third.tokens[:2]), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-5)
-    fresh = ModelDrafter(model, DraftSampling(), np.random.default_rng(0))
-    assert third.tokens == fresh.propose(committed, 3).tokens
 
-
-def test_combined_in_sampling_mode_sends_q_only_for_model_rounds(draft_model):
+def test_combined_in_sampling_mode_sends_point_masses_for_copied_positions(draft_model):
     sampling = DraftSampling(temperature=0.8, top_p=0.9)
     combined = make_drafter("combined", draft_model, sampling, np.random.default_rng(1))
     model_round = combined.propose(PROMPT, 3)
     assert model_round.q is not None and len(model_round.q) == 3
     for token, (ids, probs) in zip(model_round.tokens, model_round.q, strict=True):
         assert token in ids.tolist() and probs.sum() == pytest.approx(1, abs=1e-5)
-    ngram_round = combined.propose(PROMPT + [17], 3)
-    assert ngram_round.tokens == [42, 5, 63] and ngram_round.q is None
+    copied = combined.propose(PROMPT + [17, 42], 3)  # "17 42" repeats: copies 5 63 8
+    assert copied.tokens == [5, 63, 8]
+    assert [(ids.tolist(), probs.tolist()) for ids, probs in copied.q] == [([t], [1.0])
+                                                                           for t in [5, 63, 8]]
 
 
 def test_unknown_drafter_is_refused(draft_model):
@@ -175,3 +237,73 @@ def test_sampled_generation_runs_with_point_mass_rounds(verifier, tiny_llama_pai
             list(gen)
             outputs.append(gen.token_ids)
     assert len(outputs[0]) == 30 and outputs[0] == outputs[1]
+
+
+def sampled_mixed_context(model: OnnxDraftModel, target, params) -> tuple[list[int], int]:
+    """(context, t): the context ends in a token y seen once before, followed there by t,
+    which both the draft (top-k 6, T = 1) and the target give at least 0.15: so the first
+    draft is sampled from the model's q and, whenever it is t, the second is copied."""
+    from cloud_verifier.sampling import target_probs
+    from edge_client.sampling import truncated_distribution
+
+    vocab = model.vocab_size
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        x, z = rng.integers(3, 90, size=5).tolist(), rng.integers(3, 90, size=3).tolist()
+        y = int(rng.integers(3, 90))
+        contexts = [x + [y, t] + z + [y] for t in range(vocab)]
+        with torch.no_grad():
+            p1 = target_probs(target.model(torch.tensor(contexts)).logits[:, -1], params)
+        for t in np.flatnonzero(p1[torch.arange(vocab), torch.arange(vocab)] >= 0.15):
+            context = contexts[t]
+            if longest_match(context, 8, 2) is not None:
+                continue
+            ids, probs = truncated_distribution(
+                model.forward(model.new_cache(), context)[-1], 1.0, 6, 1.0, 0)
+            if probs[ids == t].sum() >= 0.15:
+                return context, int(t)
+    raise AssertionError("no context found")
+
+
+def test_combined_sampling_follows_the_target_distribution(verifier, tiny_llama_pair, target,
+                                                           draft_model):
+    """Rounds that mix a sampled model draft and a copied one keep the target's law.
+
+    The prompt (``sampled_mixed_context``) makes the first draft a sample from the model's q
+    and, whenever that sample is t, the second draft the copied point mass that followed t
+    before; the choice depends on the first draw, which is lossless because it is made
+    before the second is drawn. n = 2000 generations (seeds 0..1999) at temperature 1, top-k
+    6, K = 2; the joint law of the first two tokens against the exact target law
+    p(a) p(b | a): per bin |count - n p| <= 6 sqrt(n p (1 - p)) + 5, and a pair with p = 0
+    never appears.
+    """
+    from cloud_verifier.sampling import SamplingParams, target_probs
+
+    n, params = 2000, SamplingParams(temperature=1.0, top_k=6)
+    prompt, t = sampled_mixed_context(draft_model, target, params)
+    with torch.no_grad():
+        p1 = target_probs(target.model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        firsts = torch.arange(target.vocab_size)
+        batch = torch.cat([torch.tensor([prompt]).expand(len(firsts), -1), firsts[:, None]],
+                          dim=1)
+        p2 = target_probs(target.model(batch).logits[:, -1], params)  # [V, V]
+    joint = (p1[:, None] * p2).numpy().astype(np.float64)
+    counts = np.zeros_like(joint)
+    with EdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+        for seed in range(n):
+            gen = client.generate(prompt, GenerationConfig(
+                max_new_tokens=2, temperature=1.0, top_k=6, seed=seed, draft_len=2,
+                ignore_eos=True, drafter="combined"))
+            list(gen)
+            a, b = gen.token_ids
+            counts[a, b] += 1
+    assert counts[joint == 0].sum() == 0, "a pair with target probability 0 appeared"
+    bound = 6 * np.sqrt(n * joint * (1 - joint)) + 5
+    worst = np.max(np.abs(counts - n * joint) - bound)
+    assert worst <= 0, f"a bin is off by {worst:.1f} beyond its bound"
+    # The test has power: had the copied draft after t always been kept, it would fail.
+    copy = prompt[prompt.index(prompt[-1]) + 2]
+    kept = joint.copy()
+    kept[t] = 0
+    kept[t, copy] = joint[t].sum()
+    assert np.max(np.abs(n * kept - n * joint) - bound) > 0

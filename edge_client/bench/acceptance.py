@@ -275,10 +275,12 @@ class PathDrafter:
     there). Used only to replay greedy rounds.
     """
 
-    def __init__(self, prompt_len: int, path: list[int], draft_argmax: np.ndarray) -> None:
+    def __init__(self, prompt_len: int, path: list[int], draft_argmax: np.ndarray,
+                 lookup=None) -> None:
         self.prompt_len = prompt_len
         self.path = path
         self.argmax = draft_argmax  # [n]: the draft's choice for path[t]
+        self.lookup = lookup  # the combined drafter's per-position lookup, asked first
 
     def resync(self, committed: list[int]) -> int:
         return len(committed)
@@ -289,7 +291,8 @@ class PathDrafter:
         t = len(committed) - self.prompt_len
         tokens: list[int] = []
         while len(tokens) < k and t + len(tokens) < len(self.path):
-            tokens.append(int(self.argmax[t + len(tokens)]))
+            hit = None if self.lookup is None else self.lookup(committed + tokens)
+            tokens.append(int(self.argmax[t + len(tokens)]) if hit is None else hit[0])
             if tokens[-1] != self.path[t + len(tokens) - 1]:
                 break
         return Proposal(tokens, None)
@@ -350,7 +353,7 @@ class Accumulator:
         self.tallies = {(d, mode): Tally(draft_len) for d in DRAFTERS for mode in MODES}
         self.replay = {(d, k): ReplayCount() for d in DRAFTERS for k in REPLAY_KS}
         self.identical = dict.fromkeys(DRAFTERS, 0)
-        self.ngram_rounds = dict.fromkeys(MODES, 0)
+        self.lookup_drafts = dict.fromkeys(MODES, 0)  # combined: drafts the lookup made
         self.dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [], "agree": []}
         self.draft_steps: list[float] = []
         self.target_steps: list[float] = []
@@ -364,7 +367,7 @@ class Accumulator:
         for kind in DRAFTERS:
             self.identical[kind] += other.identical[kind]
         for mode in MODES:
-            self.ngram_rounds[mode] += other.ngram_rounds[mode]
+            self.lookup_drafts[mode] += other.lookup_drafts[mode]
         for key, values in other.dist.items():
             self.dist[key] += values
         self.draft_steps += other.draft_steps
@@ -384,8 +387,8 @@ class Accumulator:
                 for k in REPLAY_KS}
             if kind == "combined":
                 for mode in MODES:
-                    entry[mode]["ngram_round_share"] = _ratio(self.ngram_rounds[mode],
-                                                              self.tallies[kind, mode].rounds)
+                    entry[mode]["lookup_draft_share"] = _ratio(self.lookup_drafts[mode],
+                                                               self.tallies[kind, mode].drafted)
             drafters[kind] = entry
 
         draft_ms = 1e3 * statistics.median(self.draft_steps) if self.draft_steps else None
@@ -440,8 +443,8 @@ class Bench:
         """One prompt: the target's greedy path, the draft's trace of it, the six measured
         generations (seeded by ``index``) and the greedy replays at every K."""
         from cloud_verifier.sampling import SamplingParams
-        from edge_client.combined_drafter import CombinedDrafter, make_drafter
-        from edge_client.ngram_drafter import NgramDrafter
+        from edge_client.combined_drafter import make_drafter
+        from edge_client.ngram_drafter import ContextLookup, NgramDrafter
 
         acc, n_new = Accumulator(self.draft_len), self.max_new_tokens
         path, target_logits, acc.target_steps = target_greedy_path(self.target, ids, n_new,
@@ -464,15 +467,16 @@ class Bench:
         for (kind, mode), (drafter, _), out in zip(keys, runs, outs, strict=True):
             if mode == "greedy":
                 acc.identical[kind] += out == path
-            if isinstance(drafter, CombinedDrafter):
-                acc.ngram_rounds[mode] += drafter.ngram_rounds
+            if kind == "combined":
+                acc.lookup_drafts[mode] += drafter.lookup.proposed
 
         draft_argmax = draft_logits.argmax(-1)
         for kind in DRAFTERS:
             for k in REPLAY_KS:
-                path_drafter = PathDrafter(len(ids), path, draft_argmax)
-                drafter = {"model": path_drafter, "ngram": NgramDrafter(),
-                           "combined": CombinedDrafter(path_drafter, NgramDrafter())}[kind]
+                drafter = {"model": PathDrafter(len(ids), path, draft_argmax),
+                           "ngram": NgramDrafter(),
+                           "combined": PathDrafter(len(ids), path, draft_argmax,
+                                                   ContextLookup())}[kind]
                 acc.replay[kind, k] += replay_greedy_rounds(drafter, ids, path, k, n_new)
         return acc
 

@@ -28,10 +28,12 @@ def test_it_reports_every_protocol_against_cloud_only(tiny_llama_pair, tmp_path)
     report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "12")
     assert report["prompts"] == 8
     rates = report["tokens_per_s_median"]
-    assert set(rates) == {"rounds", "lookahead", "cloud"} and min(rates.values()) > 0
+    assert set(rates) == {"rounds", "lookahead", "rounds+combined", "lookahead+combined",
+                          "cloud"} and min(rates.values()) > 0
     assert report["vs_cloud"]["cloud"] == pytest.approx(1.0)
     forwards = report["target_forwards_per_token_mean"]
     assert forwards["cloud"] == pytest.approx(1.0) and forwards["rounds"] <= 1.0
+    assert forwards["rounds+combined"] <= 1.0
 
 
 def test_with_a_feature_head_it_also_runs_the_head_in_both_drafting_protocols(
@@ -42,7 +44,7 @@ def test_with_a_feature_head_it_also_runs_the_head_in_both_drafting_protocols(
 
     head = export_untrained_head(tiny_llama_pair.target_dir, tmp_path / "head")
     report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "8",
-                       "--feature-head", str(head))
+                       "--drafters", "model", "--feature-head", str(head))
     assert set(report["tokens_per_s_median"]) == {
         "rounds", "lookahead", "cloud", "rounds+feature", "lookahead+feature"}
     down = report["bytes_down_per_token_mean"]

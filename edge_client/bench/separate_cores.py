@@ -7,9 +7,11 @@ second of speculative generation (Verify rounds and lookahead) against cloud-onl
     python -m edge_client.bench.separate_cores --per-category 2 --json PATH
     python -m edge_client.bench.separate_cores --feature-head DIR ...   # + the feature head
 
-With ``--feature-head`` two more clients take their turn on every prompt: Verify rounds and
-lookahead drafting with the feature head (``drafter="feature"``) instead of the independent
-draft, against the same verifier (which must serve features: the default).
+Each drafter of ``--drafters`` (default: model and combined) runs Verify rounds and lookahead
+(named ``rounds`` and ``lookahead`` for the model, ``rounds+NAME`` and ``lookahead+NAME`` for
+the others). With ``--feature-head`` two more clients take their turn on every prompt: Verify
+rounds and lookahead drafting with the feature head (``drafter="feature"``), against the same
+verifier (which must serve features: the default).
 
 Greedy, so every protocol commits the same tokens; tokens/s counts the generation from its
 first message to its last token. Needs two cores (``os.sched_setaffinity``).
@@ -26,8 +28,9 @@ from pathlib import Path
 from edge_client import local_verifier
 from edge_client.bench.eval_set import CATEGORIES, load_eval
 from edge_client.client import EdgeClient, GenerationConfig
+from edge_client.combined_drafter import DRAFTER_KINDS, FEATURE
 
-PROTOCOLS = ("rounds", "lookahead", "cloud")
+DRAFTED = ("rounds", "lookahead")
 
 
 def _prompt_ids(client: EdgeClient, prompt) -> list[int]:
@@ -45,14 +48,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, default=4)
     p.add_argument("--rtt-ms", type=float, default=0.0, help="injected round-trip time")
+    p.add_argument("--drafters", nargs="+", default=["model", "combined"],
+                   choices=[k for k in DRAFTER_KINDS if k != FEATURE],
+                   help="drafters to run rounds and lookahead with")
     p.add_argument("--feature-head", type=Path, default=None, metavar="DIR",
                    help="also run rounds and lookahead with this feature head")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
-    runs = {name: (name, "model") for name in PROTOCOLS}
+    drafters = list(dict.fromkeys(args.drafters))
     if args.feature_head is not None:
-        runs |= {"rounds+feature": ("rounds", "feature"),
-                 "lookahead+feature": ("lookahead", "feature")}
+        drafters.append(FEATURE)
+    runs = {protocol if kind == "model" else f"{protocol}+{kind}": (protocol, kind)
+            for kind in drafters for protocol in DRAFTED}
+    runs["cloud"] = ("cloud", "model")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("separate_cores needs two cores")
     prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
@@ -68,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         local_verifier.wait_serving(f"127.0.0.1:{port}", proc)
         configs = {kind: GenerationConfig(max_new_tokens=args.max_new_tokens,
                                           draft_len=args.draft_len, ignore_eos=True,
-                                          drafter=kind) for kind in ("model", "feature")}
+                                          drafter=kind) for kind in {*drafters, "model"}}
         clients = {name: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=protocol,
                                     rtt_ms=args.rtt_ms, intra_op_threads=1,
-                                    feature_head=args.feature_head if kind == "feature"
+                                    feature_head=args.feature_head if kind == FEATURE
                                     else None)
                    for name, (protocol, kind) in runs.items()}
         try:

@@ -15,19 +15,23 @@ per session over a cache built from its buffer. Correct for any model with a sta
 per-layer KV cache, but it copies each session's cache every round.
 
 How the projections and the LM head are multiplied (``_linear``) decides most of a forward's
-time on a CPU, and the fastest kernel depends on the number of rows (new tokens):
+time on a CPU, and the fastest kernel depends on the number of rows (new tokens) and on the
+CPU, so the few-row cases are timed on the machine itself:
 
-- More than ``FEW_ROWS`` rows: oneDNN with weights packed once into its own layout
-  (``packed_weights``; a second copy of the projections and LM head, so it costs memory).
-  MKL's ``x @ W^T`` (what ``nn.Linear`` runs) is far from the memory bandwidth with a handful
-  of rows when the weights come from memory, as in a forward; the packed kernel streams them
-  near the bandwidth, so a few more rows cost little more than two, and whole packed forwards
-  of several sessions are faster with it. Unpacked oneDNN (a dense weight) reorders the weight
-  at every call and is slower than MKL.
-- At most ``FEW_ROWS`` rows: MKL's ``W @ x^T``, a memory-bound product that the packed kernel
-  does not beat, made contiguous (a transposed q/k/v makes ``scaled_dot_product_attention``
-  leave its fused CPU kernel for the slower math fallback), and one row is computed as two
-  (with one column MKL takes a matrix-vector path on one core, which is slower).
+- Weights are packed once into oneDNN's own layout (``packed_weights``; a second copy of the
+  projections and LM head, so it costs memory). Above ``TUNED_ROWS`` rows the packed kernel
+  runs: MKL's ``x @ W^T`` (what ``nn.Linear`` runs) is far from the memory bandwidth with a
+  handful of rows when the weights come from memory, as in a forward, while the packed kernel
+  streams them near the bandwidth, so a few more rows cost little more than two.
+- Up to ``TUNED_ROWS`` rows the fastest of three kernels is measured when the weights are
+  packed (``tune_kernels``: every projection once per kernel and row count, a few seconds):
+  the packed kernel; ``nn.Linear``'s ``x @ W^T``; and MKL's ``W @ x^T`` with one row computed
+  as two (with one column MKL takes a matrix-vector path on one core). Which wins moved with
+  the CPU: on the AMD EPYC (AVX2) where this code began, ``W @ x^T`` took 32 ms for a 1-token
+  SmolLM2 forward against 42 packed; on an Intel Xeon with AVX-512 and AMX it takes 91 ms of
+  projections against 40 for ``x @ W^T`` and 44 packed (docs/benchmarks.md, "Few-row kernels").
+  Every kernel's output is made contiguous (a transposed q/k/v makes
+  ``scaled_dot_product_attention`` leave its fused CPU kernel for the slower math fallback).
 
 On CUDA none of this applies: weights are never packed (``packed_weights`` is empty off the
 CPU or below fp32) and every projection is ``F.linear`` (cuBLAS).
@@ -36,8 +40,10 @@ CPU or below fp32) and every projection is ``F.linear`` (cuBLAS).
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,28 +74,40 @@ def supports_packing(model: torch.nn.Module) -> bool:
                                                         "act_fn")))
 
 
-_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.nn.Linear, torch.Tensor]] = \
-    weakref.WeakKeyDictionary()
+@dataclass
+class CpuKernels:
+    """How ``_linear`` multiplies on this CPU: the oneDNN-packed weights, and for each row
+    count up to ``TUNED_ROWS`` the kernel measured fastest (one of ``KERNELS``)."""
+
+    weights: dict[torch.nn.Linear, torch.Tensor] = field(default_factory=dict)
+    by_rows: dict[int, str] = field(default_factory=dict)
 
 
-def packed_weights(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
-    """The model's projections and LM head as oneDNN-packed weights, built on first use.
+KERNELS = ("packed", "x_wt", "w_xt")  # oneDNN packed; MKL x @ W^T; MKL W @ x^T
+TUNED_ROWS = 4
+_TUNE_REPEATS = 3
+_PACKED: weakref.WeakKeyDictionary[torch.nn.Module, CpuKernels] = weakref.WeakKeyDictionary()
+
+
+def packed_weights(model: torch.nn.Module) -> CpuKernels:
+    """The model's projections and LM head as oneDNN-packed weights, with the few-row kernels
+    timed on them, built on first use.
 
     Empty (``nn.Linear``'s path everywhere) unless the weights are fp32 on a CPU with oneDNN.
     The packed copies are taken once: a model whose weights change afterwards must not be
     served (the verifier never changes them).
     """
-    packed = _PACKED.get(model)
-    if packed is None:
-        packed = _PACKED[model] = _pack(model)
-    return packed
+    kernels = _PACKED.get(model)
+    if kernels is None:
+        kernels = _PACKED[model] = _pack(model)
+    return kernels
 
 
-def _pack(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
+def _pack(model: torch.nn.Module) -> CpuKernels:
     weight = model.lm_head.weight
     if (weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
-        return {}
+        return CpuKernels()
     layers = [getattr(layer.self_attn, n) for layer in model.model.layers
               for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     layers += [getattr(layer.mlp, n) for layer in model.model.layers
@@ -97,9 +115,38 @@ def _pack(model: torch.nn.Module) -> dict[torch.nn.Linear, torch.Tensor]:
     layers.append(model.lm_head)
     packed = {m: pack_weight(m.weight) for m in layers}
     mib = sum(m.weight.numel() * m.weight.element_size() for m in layers) / 2**20
-    log.info("packed %d projections for oneDNN (%.0f MiB beside the model's weights)",
-             len(packed), mib)
-    return packed
+    kernels = CpuKernels(packed, tune_kernels(layers, packed))
+    log.info("packed %d projections for oneDNN (%.0f MiB beside the model's weights); "
+             "kernel by rows: %s", len(packed), mib, kernels.by_rows)
+    return kernels
+
+
+@torch.inference_mode()
+def tune_kernels(layers: list[torch.nn.Linear], packed: dict[torch.nn.Linear, torch.Tensor],
+                 rows: int = TUNED_ROWS, repeats: int = _TUNE_REPEATS) -> dict[int, str]:
+    """For 1..rows rows, the kernel with the least median time over every layer in turn (the
+    weights come from memory, as in a forward)."""
+    choice = {}
+    for n in range(1, rows + 1):
+        inputs = {m: torch.randn(n, m.in_features) for m in layers}
+        times = {kernel: _time_pass(layers, inputs, packed, kernel, repeats)
+                 for kernel in KERNELS}
+        choice[n] = min(KERNELS, key=times.__getitem__)
+    return choice
+
+
+def _time_pass(layers: list[torch.nn.Linear], inputs: dict[torch.nn.Linear, torch.Tensor],
+               packed: dict[torch.nn.Linear, torch.Tensor], kernel: str, repeats: int) -> float:
+    """Median seconds of one pass over every layer by ``kernel``, after a warm-up pass (its
+    first-call allocations)."""
+    samples = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for m in layers:
+            _multiply(inputs[m], m, packed, kernel)
+        if i:
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 @torch.inference_mode()
@@ -108,31 +155,33 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-FEW_ROWS = 2
-
-
-def _linear(x: torch.Tensor, layer: torch.nn.Linear,
-            packed: dict[torch.nn.Linear, torch.Tensor]) -> torch.Tensor:
-    """``layer(x)`` for x ``[..., in]``: ``W @ x^T`` for at most ``FEW_ROWS`` rows, else
-    through the layer's oneDNN-packed weight if it has one (module docstring). Contiguous."""
-    rows = x.reshape(-1, x.shape[-1])
+def _multiply(rows: torch.Tensor, layer: torch.nn.Linear,
+              packed: dict[torch.nn.Linear, torch.Tensor], kernel: str) -> torch.Tensor:
+    """``rows [n, in] @ W^T`` (no bias) by ``kernel``, contiguous."""
+    if kernel == "packed":
+        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed[layer], None,
+                                                  "none", [], "")
+    if kernel == "x_wt":
+        return F.linear(rows, layer.weight).contiguous()
     n = rows.shape[0]
-    weight = packed.get(layer)
-    if (n > FEW_ROWS and weight is None) or x.device.type != "cpu":  # the tricks are MKL's
+    cols = rows.expand(2, -1).contiguous() if n == 1 else rows
+    return (layer.weight @ cols.T)[:, :n].T.contiguous()
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Linear, kernels: CpuKernels) -> torch.Tensor:
+    """``layer(x)`` for x ``[..., in]`` through the kernel chosen for its row count (module
+    docstring); ``nn.Linear``'s path without packed weights. Contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    if layer not in kernels.weights or x.device.type != "cpu":
         return F.linear(x, layer.weight, layer.bias)
-    if n > FEW_ROWS:
-        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, layer.bias, "none",
-                                                 [], "")
-    else:
-        cols = rows.expand(2, -1).contiguous() if n == 1 else rows
-        out = (layer.weight @ cols.T)[:, :n].T.contiguous()
-        if layer.bias is not None:
-            out = out + layer.bias
+    out = _multiply(rows, layer, kernels.weights,
+                    kernels.by_rows.get(rows.shape[0], "packed"))
+    if layer.bias is not None:
+        out = out + layer.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _mlp(mlp: torch.nn.Module, x: torch.Tensor,
-         packed: dict[torch.nn.Linear, torch.Tensor]) -> torch.Tensor:
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor, packed: CpuKernels) -> torch.Tensor:
     """A Llama MLP, ``down(act(gate(x)) * up(x))``, through ``_linear``."""
     gate = mlp.act_fn(_linear(x, mlp.gate_proj, packed))
     return _linear(gate * _linear(x, mlp.up_proj, packed), mlp.down_proj, packed)

@@ -31,11 +31,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help=f"ONNX draft model directory (default: {default_draft_dir()})")
-    p.add_argument("--drafter", choices=["model", "ngram", "combined", "feature"],
-                   default="model",
-                   help="who drafts: the ONNX model, prompt lookup (n-gram) in the context, "
-                        "the n-gram when it matches and the model otherwise, or a feature "
-                        "head fed the verifier's target features (needs --feature-head)")
+    p.add_argument("--drafter", choices=["combined", "model", "ngram", "feature"],
+                   default="combined",
+                   help="who drafts: per position a copy where the text repeats two or more "
+                        "earlier tokens and the ONNX model elsewhere (combined, the default), "
+                        "the model alone, prompt lookup (n-gram) alone, or a feature head fed "
+                        "the verifier's target features (needs --feature-head)")
     p.add_argument("--feature-head", type=Path, default=None, metavar="DIR",
                    help="feature head directory (edgespec-distill export-head) for "
                         "--drafter feature; it must have been trained on the verifier's target")

@@ -90,9 +90,12 @@ class GenerationConfig:
     max_support: int = 64
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
-    # One of DRAFTER_KINDS: "model", "ngram" (prompt lookup), "combined", or "feature" (the
-    # client's feature head, fed the verifier's target features: edge_client.feature_drafter).
-    drafter: str = "model"
+    # One of DRAFTER_KINDS: "combined" (the default: per position, a copy where the text so far
+    # repeats two or more earlier tokens, the ONNX model elsewhere), "model", "ngram" (prompt
+    # lookup alone), or "feature" (the client's feature head, fed the verifier's target
+    # features: edge_client.feature_drafter). Combined drafting commits 1.77 tokens per round
+    # to the model's 1.64 on the realistic set (docs/benchmarks.md "Combined drafting").
+    drafter: str = "combined"
     # Adapt to the server and the network: cap K by the server's suggested_draft_len, and
     # choose drafting or cloud-side decoding by measured rate (edge_client.rate_chooser).
     # Both depend on load, so sampled outputs would no longer be a function of the seed

@@ -210,23 +210,55 @@ def test_concurrent_streams_share_forwards(target):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 9, 20])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "onednn"])
-def test_packed_projection_equals_nn_linear(rows, bias, packed):
-    """``_linear`` takes W @ x^T for at most FEW_ROWS rows and the oneDNN-packed weight (or
-    nn.Linear's path, without one) above; all give nn.Linear's numbers, with or without a bias
-    (Qwen2-style q/k/v projections)."""
-    from cloud_verifier.packed_forward import FEW_ROWS, _linear, pack_weight
+@pytest.mark.parametrize("kernel", ["packed", "x_wt", "w_xt", "unpacked"])
+def test_every_projection_kernel_equals_nn_linear(rows, bias, kernel):
+    """``_linear`` through each kernel it can choose (or nn.Linear's path, without packed
+    weights) gives nn.Linear's numbers, with or without a bias (Qwen2-style q/k/v
+    projections), for one row, a few and many."""
+    from cloud_verifier.packed_forward import CpuKernels, _linear, pack_weight
 
-    assert FEW_ROWS == 2  # the parametrisation straddles it
     torch.manual_seed(rows)
     layer = torch.nn.Linear(24, 40, bias=bias)
     x = torch.randn(1, rows, 24)
+    kernels = (CpuKernels() if kernel == "unpacked"
+               else CpuKernels({layer: pack_weight(layer.weight)}, {rows: kernel}))
     with torch.no_grad():
-        out = _linear(x, layer, {layer: pack_weight(layer.weight)} if packed else {})
+        out = _linear(x, layer, kernels)
         torch.testing.assert_close(out, layer(x), atol=1e-5, rtol=1e-5)
     # Contiguous, so the attention that reads the q/k/v projections gets a last-dimension
     # stride of 1 and takes the fused kernel, not the math fallback (packed_forward docstring).
     assert out.is_contiguous()
+
+
+def test_few_row_kernels_are_timed_and_followed(monkeypatch):
+    """tune_kernels picks, for every row count up to TUNED_ROWS, the kernel with the least
+    measured time (here made known by a fake clock), and _linear runs the chosen one; more
+    rows take the packed kernel."""
+    import cloud_verifier.packed_forward as pf
+
+    layers = [torch.nn.Linear(8, 8, bias=False) for _ in range(2)]
+    packed = {m: pf.pack_weight(m.weight) for m in layers}
+    slow = {"packed": {1: 3.0, 2: 1.0, 3: 2.0, 4: 1.0}, "x_wt": {1: 1.0, 2: 2.0, 3: 3.0, 4: 2.0},
+            "w_xt": {1: 2.0, 2: 3.0, 3: 1.0, 4: 3.0}}
+    clock = [0.0]
+    real = pf._multiply
+
+    def timed(rows, layer, weights, kernel):
+        clock[0] += slow[kernel][rows.shape[0]]
+        return real(rows, layer, weights, kernel)
+
+    monkeypatch.setattr(pf, "_multiply", timed)
+    monkeypatch.setattr(pf.time, "perf_counter", lambda: clock[0])
+    choice = pf.tune_kernels(layers, packed)
+    assert choice == {1: "x_wt", 2: "packed", 3: "w_xt", 4: "packed"}
+    used = []
+    monkeypatch.setattr(pf, "_multiply", lambda rows, layer, weights, kernel:
+                        used.append(kernel) or real(rows, layer, weights, kernel))
+    kernels = pf.CpuKernels(packed, choice)
+    with torch.no_grad():
+        for n in (1, 2, 3, 7):
+            pf._linear(torch.randn(n, 8), layers[0], kernels)
+    assert used == ["x_wt", "packed", "w_xt", "packed"]
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 1), (3, 4), (12, 1)], ids=str)

@@ -29,6 +29,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
+    p.add_argument("--stop-confidence", type=float, default=0.0, metavar="C",
+                   help="stop a round's drafting once the drafts' joint confidence is below "
+                        "C (0: always draft --draft-len)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help=f"ONNX draft model directory (default: {default_draft_dir()})")
     p.add_argument("--drafter", choices=["combined", "model", "ngram", "feature"],
@@ -98,6 +101,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter,
+        stop_confidence=args.stop_confidence,
         fallback=args.fallback, budget_ms=args.budget_ms)
     # With --json -, stdout carries only the JSON object; the text streams to stderr.
     out = sys.stderr if args.json == "-" else sys.stdout

@@ -88,6 +88,9 @@ class GenerationConfig:
     draft_len: int = 4
     # Cap on each q's support (see DraftSampling), within the verifier's max_q_support.
     max_support: int = 64
+    # Stop drafting a round once the drafts' joint confidence is below this (DraftSampling);
+    # 0 drafts all draft_len. Lossless either way.
+    stop_confidence: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # empty: the verifier's eos tokens
     ignore_eos: bool = False
     # One of DRAFTER_KINDS: "combined" (the default: per position, a copy where the text so far
@@ -141,6 +144,12 @@ class GenerationConfig:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        self.draft_sampling(self.max_support)  # checks stop_confidence
+
+    def draft_sampling(self, q_support: int) -> DraftSampling:
+        """How the device drafts, with q's support capped at ``q_support``."""
+        return DraftSampling(self.temperature, self.top_k, self.top_p, q_support,
+                             self.stop_confidence)
 
     def session_params(self) -> SessionParams:
         return SessionParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -341,8 +350,7 @@ class AsyncGeneration:
                                 chooser=client.chooser if adaptive else None,
                                 want_feature=features)
         drafter = make_drafter(cfg.drafter, client.model,
-                               DraftSampling(cfg.temperature, cfg.top_k, cfg.top_p,
-                                             state.limits.q_support(cfg.max_support)),
+                               cfg.draft_sampling(state.limits.q_support(cfg.max_support)),
                                np.random.default_rng(cfg.seed),
                                head=client.feature_head() if features else None,
                                latest=lambda: state.feature)

@@ -65,7 +65,6 @@ from edge_client.core import (
     model_proposer,
     unverified_delivery,
 )
-from edge_client.drafter import DraftSampling
 from edge_client.generation_state import ROUNDS, GenerationState
 from edge_client.session_streams import SessionKeeper
 
@@ -115,8 +114,7 @@ class AsyncDocument:
         # kept by the state) follows the text across edits.
         self._features = config.drafter == FEATURE
         self._drafter = make_drafter(config.drafter, client.model,
-                                     DraftSampling(config.temperature, config.top_k,
-                                                   config.top_p, config.max_support),
+                                     config.draft_sampling(config.max_support),
                                      np.random.default_rng(config.seed),
                                      head=client.feature_head() if self._features else None,
                                      latest=lambda: self._state and self._state.feature)

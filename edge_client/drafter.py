@@ -37,6 +37,15 @@ class DraftSampling:
     top_p: float = 1.0
     # Cap on q's support, so the wire payload stays small whatever the temperature.
     max_support: int = 64
+    # Stop a round's drafting once the drafts' joint confidence (the product of each draft's
+    # confidence: its q's top probability, or a copy's measured hit rate) is below this; at
+    # least one draft is always made. 0 drafts all K. A function of q, never of the drawn
+    # token, so lossless (docs/design.md).
+    stop_confidence: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stop_confidence < 1:
+            raise ValueError(f"stop_confidence must be in [0, 1), got {self.stop_confidence}")
 
     @property
     def is_greedy(self) -> bool:
@@ -94,11 +103,13 @@ class ModelDrafter:
         q: list[tuple[np.ndarray, np.ndarray]] = []
         confidence: list[float] = []
         s = self.sampling
+        joint = 1.0  # the product of the drafts' confidences so far
         for _ in range(k):
+            if tokens and joint < s.stop_confidence:
+                break
             hit = self.lookup(context) if self.lookup is not None else None
             if hit is not None:
                 token, sure = hit
-                confidence.append(sure)
                 q.append((np.array([token], dtype=np.int64), _POINT_MASS))
             else:
                 # The cache holds a prefix of context, never all of it: resync keeps it short
@@ -106,12 +117,15 @@ class ModelDrafter:
                 logits = self._feed(context[len(self._fed):])
                 if s.is_greedy:
                     token = int(np.argmax(logits))
-                    confidence.append(top_probability(logits))
+                    sure = top_probability(logits)
                 else:
                     ids, probs = truncated_distribution(logits, s.temperature, s.top_k,
                                                         s.top_p, s.max_support)
                     token = sample(ids, probs, self.rng)
+                    sure = float(probs[0])  # q's top probability, whatever was drawn
                     q.append((ids, probs))
+            confidence.append(sure)
+            joint *= sure
             tokens.append(token)
             context.append(token)
         if s.is_greedy:

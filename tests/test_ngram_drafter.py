@@ -307,3 +307,40 @@ def test_combined_sampling_follows_the_target_distribution(verifier, tiny_llama_
     kept[t] = 0
     kept[t, copy] = joint[t].sum()
     assert np.max(np.abs(n * kept - n * joint) - bound) > 0
+
+
+@pytest.mark.parametrize("kind", ["model", "combined"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_drafting_stops_once_the_joint_confidence_is_low(draft_model, kind, temperature):
+    """With stop_confidence, a round drafts while the product of the drafts' confidences (a
+    greedy draft's top probability, a sampled draft's q top probability, a copy's measured
+    hit rate) stays at or above it, at least one draft; what it drafts is the unstopped
+    round's prefix, since each stop is decided before the next draw."""
+    contexts = [list(PROMPT), mixed_context(draft_model), PROMPT + [17, 42]]
+    stopped_early = 0
+    for stop in (0.05, 0.3, 0.9):
+        for seed, context in enumerate(contexts):
+            full = make_drafter(kind, draft_model, DraftSampling(temperature),
+                                np.random.default_rng(seed)).propose(context, 6)
+            cut = make_drafter(kind, draft_model, DraftSampling(temperature, stop_confidence=stop),
+                               np.random.default_rng(seed)).propose(context, 6)
+            n = len(cut.tokens)
+            assert 1 <= n <= 6 and cut.tokens == full.tokens[:n]
+            lookup = ContextLookup() if kind == "combined" else (lambda _context: None)
+            copies = [lookup(context + full.tokens[:j]) for j in range(6)]
+            sure = full.confidence if temperature == 0 else [
+                float(probs[0]) if hit is None else hit[1]
+                for hit, (_ids, probs) in zip(copies, full.q, strict=True)]
+            if temperature == 0:
+                assert cut.confidence == full.confidence[:n]
+            joint = np.cumprod(sure)
+            assert n == 6 or joint[n - 1] < stop  # stopped only below the threshold
+            assert all(joint[:n - 1] >= stop)  # ... and not before
+            stopped_early += n < 6
+    assert stopped_early > 0
+
+
+def test_stop_confidence_is_checked():
+    for bad in (-0.1, 1.0, 2.0):
+        with pytest.raises(ValueError, match="stop_confidence"):
+            GenerationConfig(stop_confidence=bad)

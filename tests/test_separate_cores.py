@@ -49,3 +49,13 @@ def test_with_a_feature_head_it_also_runs_the_head_in_both_drafting_protocols(
         "rounds", "lookahead", "cloud", "rounds+feature", "lookahead+feature"}
     down = report["bytes_down_per_token_mean"]
     assert down["rounds+feature"] > down["rounds"]
+
+
+def test_it_runs_every_draft_length_and_stop_confidence_given(tiny_llama_pair, tmp_path):
+    report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "6",
+                       "--drafters", "combined", "--draft-len", "2", "4",
+                       "--stop-confidence", "0", "0.5")
+    assert set(report["tokens_per_s_median"]) == {
+        f"{protocol}+combined/K={k}/stop={stop}" for protocol in ("rounds", "lookahead")
+        for k in (2, 4) for stop in ("0", "0.5")} | {"cloud"}
+    assert report["draft_len"] == [2, 4] and report["stop_confidence"] == [0.0, 0.5]

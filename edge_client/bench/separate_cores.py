@@ -9,9 +9,10 @@ second of speculative generation (Verify rounds and lookahead) against cloud-onl
 
 Each drafter of ``--drafters`` (default: model and combined) runs Verify rounds and lookahead
 (named ``rounds`` and ``lookahead`` for the model, ``rounds+NAME`` and ``lookahead+NAME`` for
-the others). With ``--feature-head`` two more clients take their turn on every prompt: Verify
-rounds and lookahead drafting with the feature head (``drafter="feature"``), against the same
-verifier (which must serve features: the default).
+the others), at each ``--draft-len`` and ``--stop-confidence`` given (a name gains ``/K=8``
+or ``/stop=0.1`` when several values are measured). With ``--feature-head`` two more clients
+take their turn on every prompt: Verify rounds and lookahead drafting with the feature head
+(``drafter="feature"``), against the same verifier (which must serve features: the default).
 
 Greedy, so every protocol commits the same tokens; tokens/s counts the generation from its
 first message to its last token. Needs two cores (``os.sched_setaffinity``).
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-dir", type=Path, default=None)
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-len", type=int, default=4)
+    p.add_argument("--draft-len", type=int, nargs="+", default=[4])
+    p.add_argument("--stop-confidence", type=float, nargs="+", default=[0.0],
+                   help="GenerationConfig.stop_confidence values to run each drafter with")
     p.add_argument("--rtt-ms", type=float, default=0.0, help="injected round-trip time")
     p.add_argument("--drafters", nargs="+", default=["model", "combined"],
                    choices=[k for k in DRAFTER_KINDS if k != FEATURE],
@@ -58,9 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     drafters = list(dict.fromkeys(args.drafters))
     if args.feature_head is not None:
         drafters.append(FEATURE)
-    runs = {protocol if kind == "model" else f"{protocol}+{kind}": (protocol, kind)
-            for kind in drafters for protocol in DRAFTED}
-    runs["cloud"] = ("cloud", "model")
+    ks, stops = list(dict.fromkeys(args.draft_len)), list(dict.fromkeys(args.stop_confidence))
+
+    def run_name(protocol: str, kind: str, k: int, stop: float) -> str:
+        return (protocol + ("" if kind == "model" else f"+{kind}")
+                + (f"/K={k}" if len(ks) > 1 else "")
+                + (f"/stop={stop:g}" if len(stops) > 1 else ""))
+
+    runs = {run_name(protocol, kind, k, stop): (protocol, kind, k, stop)
+            for kind in drafters for k in ks for stop in stops for protocol in DRAFTED}
+    runs["cloud"] = ("cloud", "model", ks[0], 0.0)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("separate_cores needs two cores")
     prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
@@ -74,19 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     bytes_up: dict[str, list[float]] = {name: [] for name in runs}
     try:
         local_verifier.wait_serving(f"127.0.0.1:{port}", proc)
-        configs = {kind: GenerationConfig(max_new_tokens=args.max_new_tokens,
-                                          draft_len=args.draft_len, ignore_eos=True,
-                                          drafter=kind) for kind in {*drafters, "model"}}
-        clients = {name: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=protocol,
-                                    rtt_ms=args.rtt_ms, intra_op_threads=1,
-                                    feature_head=args.feature_head if kind == FEATURE
-                                    else None)
-                   for name, (protocol, kind) in runs.items()}
+        configs = {run: GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=k,
+                                         ignore_eos=True, drafter=kind, stop_confidence=stop)
+                   for run, (_, kind, k, stop) in runs.items()}
+        clients = {run: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=protocol,
+                                   rtt_ms=args.rtt_ms, intra_op_threads=1,
+                                   feature_head=args.feature_head if kind == FEATURE
+                                   else None)
+                   for run, (protocol, kind, _, _) in runs.items()}
         try:
             for prompt in prompts:  # the protocols take turns on each prompt
                 outputs = []
                 for name, client in clients.items():
-                    gen = client.generate(_prompt_ids(client, prompt), configs[runs[name][1]])
+                    gen = client.generate(_prompt_ids(client, prompt), configs[name])
                     list(gen)
                     outputs.append(gen.token_ids)
                     st = gen.stats
@@ -104,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         local_verifier.stop(proc)
     cloud = statistics.median(results["cloud"])
     report = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "draft_len": args.draft_len, "rtt_ms": args.rtt_ms,
+              "draft_len": ks, "stop_confidence": stops, "rtt_ms": args.rtt_ms,
               "tokens_per_s_median": {k: statistics.median(v) for k, v in results.items()},
               "target_forwards_per_token_mean": {k: statistics.fmean(v)
                                                  for k, v in forwards.items()},

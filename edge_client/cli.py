@@ -29,9 +29,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
-    p.add_argument("--stop-confidence", type=float, default=0.0, metavar="C",
+    p.add_argument("--stop-confidence", type=float, default=0.1, metavar="C",
                    help="stop a round's drafting once the drafts' joint confidence is below "
-                        "C (0: always draft --draft-len)")
+                        "C (default 0.1; 0: always draft --draft-len)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help=f"ONNX draft model directory (default: {default_draft_dir()})")
     p.add_argument("--drafter", choices=["combined", "model", "ngram", "feature"],

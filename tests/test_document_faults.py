@@ -142,7 +142,8 @@ def test_a_budget_ends_the_suggestion_without_drafting_past_it(verifier, tiny_ll
     budget: the round's 3 drafts, not the 8 tokens asked for (the held open would hang a
     suggestion that waited for it)."""
     link = HeldLink()
-    cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only")
+    cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only",
+                           stop_confidence=0)  # 3 drafts a round, however unsure
 
     async def run():
         async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,
@@ -253,7 +254,8 @@ def test_a_document_follows_the_acceptance_collapse_by_default(verifier, tiny_ll
     either way."""
     n = 40
     want = hf_greedy(target, PROMPT, n)
-    cfg = GenerationConfig(draft_len=3, ignore_eos=True, follow_suggested_draft_len=follow)
+    cfg = GenerationConfig(draft_len=3, ignore_eos=True, follow_suggested_draft_len=follow,
+                           stop_confidence=0)  # 3 drafts a round, however unsure
 
     async def run():
         async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:

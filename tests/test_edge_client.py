@@ -273,7 +273,7 @@ def test_a_client_sends_no_draft_the_server_prices_out(target, tiny_llama_pair):
     with EmbeddedVerifier(target, config) as v, EdgeClient(
             v.address, tiny_llama_pair.draft_dir) as c:
         gen = c.generate(PROMPT, GenerationConfig(max_new_tokens=20, draft_len=3,
-                                                  ignore_eos=True,
+                                                  ignore_eos=True, stop_confidence=0,
                                                   follow_suggested_draft_len=True))
         list(gen)
     assert gen.token_ids == want

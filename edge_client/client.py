@@ -76,6 +76,9 @@ log = logging.getLogger(__name__)
 # The context a draft without a position limit may draft in while no verifier has said its
 # own (the verifier's max_context replaces it when it answers).
 NO_CONTEXT_CAP = 1 << 20
+# A document's settle time inside a word (GenerationConfig.word_settle_ms): longer than most
+# of a typist's key intervals inside a word (80-200 ms), shorter than a pause.
+WORD_SETTLE_MS = 150.0
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,12 @@ class GenerationConfig:
     # forward. An IME typing 80-200 ms a key then pays the verifier for the keys the user
     # pauses after, not for every key. Counted within budget_ms. 0: send at once.
     settle_ms: float = 0.0
+    # Documents only: the settle time while the text ends inside a word (its last character
+    # a letter or digit). Mid-word keys come 80-200 ms apart and their suggestions are
+    # stale by the next key, so a document waits for the word to pause; after a space or
+    # punctuation, where the user looks for the suggestion, it sends at once (unless
+    # settle_ms says otherwise). 0: no such wait.
+    word_settle_ms: float = WORD_SETTLE_MS
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -134,6 +143,8 @@ class GenerationConfig:
             raise ValueError("budget_ms must be > 0 (or None)")
         if not self.settle_ms >= 0:
             raise ValueError("settle_ms must be >= 0")
+        if not self.word_settle_ms >= 0:
+            raise ValueError("word_settle_ms must be >= 0")
         if self.drafter not in DRAFTER_KINDS:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, "
                              f"got {self.drafter!r}")

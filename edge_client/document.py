@@ -25,10 +25,13 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
 - **Streaming.** ``suggest(..., on_update=show)`` calls ``show`` with the suggestion so far
   each time tokens arrive, so the first verified tokens can be shown a round or more before
   the whole suggestion; ``suggest`` still returns the whole one.
-- **Settle.** With ``settle_ms`` (per call, or ``GenerationConfig.settle_ms``) a suggestion
-  first waits that long for the typing to settle: a newer ``suggest`` (the next key) or
-  ``cancel()`` in that time ends it, cancelled, before any RPC, so keys typed in a burst cost
-  the verifier nothing and the key the user pauses after gets the suggestion.
+- **Settle.** A suggestion first waits for the typing to settle: ``settle_ms`` (per call,
+  or ``GenerationConfig.settle_ms``) after any key, and by default
+  ``GenerationConfig.word_settle_ms`` (150 ms) while the text ends inside a word. A newer
+  ``suggest`` (the next key) or ``cancel()`` in that time ends it, cancelled, before any
+  RPC, so keys typed in a burst cost the verifier nothing, and a key after a space or
+  punctuation, where the user looks for the suggestion, is sent at once. A per-call
+  ``settle_ms`` is the whole wait.
 - **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
   is unreachable is completed by the draft alone, marked unverified. The next suggestion
   over the same text (or a text that took some of those tokens) sends the rest of them
@@ -70,6 +73,14 @@ from edge_client.session_streams import SessionKeeper
 
 if TYPE_CHECKING:
     from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
+
+
+def settle_time(config: GenerationConfig, text: str) -> float:
+    """How long a suggestion after ``text`` waits for the typing to settle:
+    ``config.settle_ms``, or ``config.word_settle_ms`` if longer and the text ends inside a
+    word (its last character a letter or digit)."""
+    inside = text[-1:].isalnum()
+    return max(config.settle_ms, config.word_settle_ms if inside else 0.0)
 
 @dataclass(frozen=True)
 class SuggestionStats:
@@ -191,6 +202,10 @@ class AsyncDocument:
         timing = replace(self.config,
                          budget_ms=self.config.budget_ms if budget_ms is None else budget_ms,
                          settle_ms=self.config.settle_ms if settle_ms is None else settle_ms)
+        if settle_ms is None:  # the config's: longer while the text ends inside a word
+            tail = text_or_ids if isinstance(text_or_ids, str) else \
+                self.client.tokenizer.decode(ids[-1:])
+            timing = replace(timing, settle_ms=settle_time(self.config, tail))
         budget_ms, settle_ms = timing.budget_ms, timing.settle_ms
         self._calls += 1
         call = self._calls

@@ -87,11 +87,20 @@ class KeptStream:
         try:
             await asyncio.shield(queued)
         except asyncio.InvalidStateError:
-            # The verifier ended the stream first (an eviction while idle, a drain): the
-            # reader has its status.
-            await self.read(_ANY_STEP)
+            # The call ended first (the verifier went away, an eviction while idle, a
+            # drain): the reader has its status, after any replies nobody read (those of
+            # cancelled suggestions), which no longer matter.
+            await self._status()
             raise ProtocolError("the verifier ended the stream before the suggestion "
                                 "finished") from None
+
+    async def _status(self) -> None:
+        """Raises the ended call's error status, once the reader has it; returns if the
+        call ended cleanly."""
+        async with asyncio.timeout(self.wire.conn.deadlines.reply_s):
+            while (item := await self.inbox.get()) is not None:
+                if isinstance(item, grpc.aio.AioRpcError):
+                    raise item
 
     def write_soon(self, message) -> None:
         """For a cancel, from a task being cancelled: sent without waiting."""
@@ -126,17 +135,6 @@ class KeptStream:
     def close(self) -> None:
         self.call.cancel()
         self.reader.cancel()
-
-
-class _AnyStep:
-    """Reads whatever comes (to reach a stream's status)."""
-
-    @staticmethod
-    def is_stale(step) -> bool:
-        return False
-
-
-_ANY_STEP = _AnyStep()
 
 
 class SessionKeeper:

@@ -10,6 +10,7 @@ import pytest
 
 from edge_client.bench.eval_set import EvalPrompt, overlaps
 from edge_client.bench.ime.typist import BACKSPACE, Script, TypingProfile, type_message
+from edge_client.client import GenerationConfig
 
 MESSAGE = "Are we still on for coffee at ten, or should we push it?"
 
@@ -141,8 +142,16 @@ def test_the_settle_time_reaches_every_modes_config_and_is_checked():
     for mode in ("edit", "reopen", "cloud-only"):
         assert generation_config(mode, 4, True, settle_ms=150).settle_ms == 150
     assert generation_config("edit", 4, True).settle_ms == 0
-    with pytest.raises(ValueError, match="settle"):
-        ImeConfig(modes=("edit",), settle_ms=-1)
+    # Inside a word: edit sessions wait the product's default, today's clients do not,
+    # unless the run sets one value for every mode.
+    assert generation_config("edit", 4, True).word_settle_ms == GenerationConfig.word_settle_ms > 0
+    for mode in ("reopen", "cloud-only"):
+        assert generation_config(mode, 4, True).word_settle_ms == 0
+    for mode in ("edit", "reopen", "cloud-only"):
+        assert generation_config(mode, 4, True, word_settle_ms=90).word_settle_ms == 90
+    for bad in ({"settle_ms": -1}, {"word_settle_ms": -1}):
+        with pytest.raises(ValueError, match="settle"):
+            ImeConfig(modes=("edit",), **bad)
 
 
 def test_type_through_counts_exact_and_first_character_matches():

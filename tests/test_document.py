@@ -379,9 +379,42 @@ def test_keys_typed_within_the_settle_time_send_no_work(verifier, tiny_llama_pai
     assert stopped.cancelled and stopped.stats.target_forwards == 0 and after_cancel == 0
 
 
+def test_a_document_waits_inside_a_word_and_not_after_one(verifier, tiny_llama_pair, target):
+    """With a word settle time far longer than the test (60 s): a text ending inside a word
+    (its last character alphanumeric), as a string or as token ids whose last token decodes
+    to such text, waits: a cancel() after 100 ms ends it with no session opened and no
+    forward. A text ending in a space, and ids ending in a token that decodes to "<unk>",
+    are sent at once and get the target's suggestion; a per-call settle_ms=0 is the whole
+    wait even mid-word. (The tiny tokenizer's words are t3 .. tN.)"""
+    config = replace(GREEDY, word_settle_ms=60_000)
+
+    async def waits(doc, text) -> tuple:
+        asyncio.get_running_loop().call_later(0.1, doc.cancel)
+        s = await asyncio.wait_for(doc.suggest(text, 3), 10)
+        return s.cancelled, s.stats.target_forwards
+
+    async def run():
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(config) as doc:
+                sessions, forwards = live_sessions(verifier), metric(verifier, "target_forwards")
+                waited = [await waits(doc, "t5 t7"), await waits(doc, PROMPT)]
+                work = (live_sessions(verifier) - sessions,
+                        metric(verifier, "target_forwards") - forwards)
+                at_once = [await asyncio.wait_for(doc.suggest(text, 3, **kw), 10) for text, kw in
+                           (("t5 t7 ", {}), (PROMPT + [0], {}), ("t5 t7 t9", {"settle_ms": 0}))]
+                return waited, work, at_once
+
+    waited, work, at_once = asyncio.run(run())
+    assert waited == [(True, 0), (True, 0)] and work == (0, 0)
+    assert all(not s.cancelled and s.stats.target_forwards > 0 for s in at_once)
+    assert at_once[0].token_ids == hf_greedy(target, [5, 7], 3)
+
+
 def test_settle_and_budget_are_checked(verifier, tiny_llama_pair):
     with pytest.raises(ValueError, match="settle_ms"):
         GenerationConfig(settle_ms=-1)
+    with pytest.raises(ValueError, match="word_settle_ms"):
+        GenerationConfig(word_settle_ms=-1)
 
     async def run():
         async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:

@@ -143,7 +143,8 @@ def test_a_budget_ends_the_suggestion_without_drafting_past_it(verifier, tiny_ll
     suggestion that waited for it)."""
     link = HeldLink()
     cfg = GenerationConfig(draft_len=3, ignore_eos=True, fallback="draft-only",
-                           stop_confidence=0)  # 3 drafts a round, however unsure
+                           stop_confidence=0,  # 3 drafts a round, however unsure
+                           word_settle_ms=0)  # sent at once, mid-word or not
 
     async def run():
         async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir,

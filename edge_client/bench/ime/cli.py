@@ -59,6 +59,10 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
                    help="every mode waits this long after a key before asking for a "
                         "suggestion; a newer key cancels the wait, with no work sent "
                         "(edit sessions: GenerationConfig.settle_ms; default 0)")
+    p.add_argument("--word-settle-ms", type=float, default=None,
+                   help="every mode waits this long after a key inside a word (default: "
+                        "edit sessions the product's GenerationConfig.word_settle_ms, "
+                        "reopen and cloud-only, today's clients, none)")
     p.add_argument("--no-follow-suggested-k", action="store_true",
                    help="edit sessions draft K every round instead of following the "
                         "verifier's suggested K (which is 0, plain decoding, when drafting "
@@ -97,7 +101,7 @@ def cmd_ime(args: argparse.Namespace) -> int:
                            seed=args.seed, draft_len=args.draft_len,
                            fallback=args.fallback == "draft-only", budget_ms=args.budget_ms,
                            follow_suggested_k=not args.no_follow_suggested_k,
-                           settle_ms=args.settle_ms,
+                           settle_ms=args.settle_ms, word_settle_ms=args.word_settle_ms,
                            drill=not args.no_outage,
                            drill_modes=tuple(args.outage_modes) if args.outage_modes else None,
                            outage_after_s=args.outage_after,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from edge_client.bench.fleet.device import failure_name
 from edge_client.client import AsyncEdgeClient, GenerationConfig
+from edge_client.document import settle_time
 from edge_client.errors import EdgeError
 
 log = logging.getLogger(__name__)
@@ -117,8 +118,9 @@ class ReopenMode(Mode):
         n = _room(client, len(ids), max_new_tokens)
         if not ids or n == 0:
             return
-        if self.config.settle_ms:  # the same settle time as a document's; the key cancels it
-            await asyncio.sleep(self.config.settle_ms / 1000)
+        wait = settle_time(self.config, text)  # a document's rule; the key cancels the wait
+        if wait:
+            await asyncio.sleep(wait / 1000)
         config = replace(self.config, max_new_tokens=n)
         stops = set(config.stop_token_ids or client.info.eos_token_ids)
         generation = client.generate(ids, config, chat=False)
@@ -212,14 +214,19 @@ class EditMode(Mode):
 
 
 def generation_config(mode: str, draft_len: int, fallback: bool,
-                      follow_suggested_k: bool = True, settle_ms: float = 0.0) -> GenerationConfig:
+                      follow_suggested_k: bool = True, settle_ms: float = 0.0,
+                      word_settle_ms: float | None = None) -> GenerationConfig:
     """Greedy suggestions (an IME shows the target's most likely continuation). Edit
     sessions fall back to the draft alone when the verifier is away, if asked to, and
     follow the verifier's suggested K unless told not to (then they draft K every round,
-    as the other modes do). Every mode waits ``settle_ms`` after a key before asking."""
+    as the other modes do). Every mode waits ``settle_ms`` after a key before asking, and
+    ``word_settle_ms`` after a key inside a word (None: edit sessions the product's default,
+    GenerationConfig.word_settle_ms; the others, today's clients, none)."""
+    if word_settle_ms is None:
+        word_settle_ms = GenerationConfig.word_settle_ms if mode == "edit" else 0.0
     config = GenerationConfig(max_new_tokens=12, draft_len=draft_len,
                               follow_suggested_draft_len=None if follow_suggested_k else False,
-                              settle_ms=settle_ms)
+                              settle_ms=settle_ms, word_settle_ms=word_settle_ms)
     if mode == "edit" and fallback:
         config = replace(config, fallback="draft-only")
     return config
@@ -228,8 +235,9 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
 def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
               intra_op_threads: int | None, follow_suggested_k: bool = True,
-              settle_ms: float = 0.0) -> Mode:
-    config = generation_config(name, draft_len, fallback, follow_suggested_k, settle_ms)
+              settle_ms: float = 0.0, word_settle_ms: float | None = None) -> Mode:
+    config = generation_config(name, draft_len, fallback, follow_suggested_k, settle_ms,
+                               word_settle_ms)
     # The client's fallback too: a typist whose verifier is down at the start still gets
     # (unverified) suggestions.
     client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,

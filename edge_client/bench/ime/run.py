@@ -55,6 +55,9 @@ class ImeConfig:
     # Every mode's IME waits this long after a key before asking for a suggestion (a newer
     # key cancels the wait): GenerationConfig.settle_ms for edit sessions.
     settle_ms: float = 0.0
+    # After a key inside a word, every mode waits this long (None: edit sessions the
+    # product's default, GenerationConfig.word_settle_ms; reopen and cloud-only none).
+    word_settle_ms: float | None = None
     drill: bool = True
     drill_modes: tuple[str, ...] | None = None  # the modes the drill runs for (None: all)
     outage_after_s: float = 3.0
@@ -69,7 +72,7 @@ class ImeConfig:
         profile(self.profile)  # raises on an unknown name
         if not self.modes:
             raise ValueError("no modes to run")
-        if self.settle_ms < 0:
+        if self.settle_ms < 0 or (self.word_settle_ms or 0) < 0:
             raise ValueError("settle time must be >= 0")
         if self.duration_s <= 0:
             raise ValueError("duration must be > 0")
@@ -216,7 +219,7 @@ async def run_ime(verifier: VerifierHandle, draft_dir: Path | None, cfg: ImeConf
             link = NetEmLink(NetEm(profile(cfg.profile), np.random.default_rng([cfg.seed, i])))
             mode = make_mode(name, verifier.address, draft_dir, link, retry, cfg.draft_len,
                              cfg.fallback, cfg.budget_ms, cfg.draft_threads,
-                             cfg.follow_suggested_k, cfg.settle_ms)
+                             cfg.follow_suggested_k, cfg.settle_ms, cfg.word_settle_ms)
             modes.append(mode)
             await mode.client.connect()
         for mode in modes:

@@ -14,7 +14,9 @@ A draft may have a reduced vocabulary (``vocab_map.npz`` beside ``model.onnx``: 
 [N] gives each graph id's full id, -1 for an <unk> input slot, and ``full_vocab_size`` V). Its
 head is then much cheaper, at no cost to correctness: q is simply 0 outside the subset.
 ``forward`` still takes full-vocabulary ids (others are fed as <unk>) and returns full-width
-logits, -inf outside the subset, so nothing above this module knows.
+logits, -inf outside the subset, so nothing above this module knows. ``forward_compact``
+returns only the subset's columns, with their full ids in ascending order: the drafter
+chooses its token and q there, without touching the columns that can never be drawn.
 
 An onnxruntime IOBinding could skip one copy of the cache per step; plain ``run`` is used
 because the copies are small next to the matmuls for the model sizes used here.
@@ -142,6 +144,7 @@ class OnnxDraftModel:
         max_pos = config.get("max_position_embeddings")
         self._max_context = int(max_pos) if max_pos is not None else None
         self._vocab_map: _VocabMap | None = None
+        self._all_ids: np.ndarray | None = None  # forward_compact's ids without a vocab map
         if (self._model_dir / VOCAB_MAP_FILE).is_file():
             self._vocab_map = _VocabMap.load(self._model_dir / VOCAB_MAP_FILE, self._vocab_size)
             self._vocab_size = self._vocab_map.full_vocab_size
@@ -175,7 +178,28 @@ class OnnxDraftModel:
 
         Returns float32 logits [n, V]: row j is the next-token distribution after token j.
         """
-        ids = np.asarray(token_ids, dtype=np.int64)
+        logits = self._logits(cache, np.asarray(token_ids, dtype=np.int64))
+        if self._vocab_map is not None:
+            return self._vocab_map.to_full_logits(logits)  # [n, V]
+        return logits
+
+    def forward_compact(self, cache: DraftKVCache,
+                        token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``forward`` over the draft's own vocabulary: (logits float32 [n, M], the full ids
+        of its M real tokens, ascending). Every full id outside them has logit -inf in
+        ``forward``, so argmax, softmax and truncation over these columns, with ties to the
+        lowest column, give what they give over ``forward``'s row (ties to the lowest id),
+        without touching the V - M columns that can never be drawn (a third of the work for
+        a 16k-of-49k draft vocabulary)."""
+        logits = self._logits(cache, np.asarray(token_ids, dtype=np.int64))
+        if self._vocab_map is not None:
+            return self._vocab_map.to_compact_logits(logits), self._vocab_map.compact_ids
+        if self._all_ids is None or self._all_ids.size != logits.shape[1]:
+            self._all_ids = np.arange(logits.shape[1], dtype=np.int64)
+        return logits, self._all_ids
+
+    def _logits(self, cache: DraftKVCache, ids: np.ndarray) -> np.ndarray:
+        """The graph's float32 logits [n, graph vocab] after ``ids``, checked."""
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
         lo, hi = int(ids.min()), int(ids.max())
@@ -208,9 +232,7 @@ class OnnxDraftModel:
             raise RuntimeError(f"graph returned logits for {logits.shape[1]} positions, fed {n}")
         cache.keys = present[0::2]
         cache.values = present[1::2]
-        if self._vocab_map is not None:
-            return self._vocab_map.to_full_logits(logits[0])  # [n, V]
-        return logits[0].astype(np.float32, copy=False)  # [n, V]
+        return logits[0].astype(np.float32, copy=False)  # [n, graph vocab]
 
 
 class _VocabMap:
@@ -231,6 +253,9 @@ class _VocabMap:
         # Ids outside the subset are fed as <unk>; without an <unk> slot they are refused.
         self._full_to_sub = np.full(full_vocab_size, unk[0] if unk.size else -1, np.int64)
         self._full_to_sub[kept] = self._sub_ids
+        # The real columns in ascending full-id order (forward_compact).
+        by_id = np.argsort(kept, kind="stable")
+        self._compact_cols, self.compact_ids = self._sub_ids[by_id], kept[by_id]
 
     @classmethod
     def load(cls, path: Path, graph_vocab: int) -> _VocabMap:
@@ -242,6 +267,9 @@ class _VocabMap:
         if (sub < 0).any():
             raise ValueError("token id outside the draft's vocabulary and no <unk> slot")
         return sub
+
+    def to_compact_logits(self, logits: np.ndarray) -> np.ndarray:
+        return logits[:, self._compact_cols]  # [n, M], columns of compact_ids
 
     def to_full_logits(self, logits: np.ndarray) -> np.ndarray:
         out = np.full((logits.shape[0], self.full_vocab_size), -np.inf, dtype=np.float32)

@@ -40,3 +40,17 @@ def test_bench_skips_assisted_case_without_a_pytorch_draft(tiny_llama_pair, tmp_
     assert "b_hf_assisted" not in report["cases"]
     assert report["config"]["assistant_dir"] is None
     assert report["cases"]["c_edgespec_loopback"]["outputs_identical_to_target"] == 2
+
+
+def test_draft_step_reports_the_drafters_cost_per_token(tiny_llama_pair, tmp_path):
+    """edge_client.bench.draft_step on the tiny draft (5 rounds): the report has every
+    figure, each a positive time."""
+    from edge_client.bench.draft_step import main
+
+    out = tmp_path / "step.json"
+    assert main(["--draft-dir", str(tiny_llama_pair.draft_dir), "--context", "16",
+                 "--rounds", "5", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 5 and report["forward_ms"] > 0
+    for name in ("greedy", "t0.7"):
+        assert report[f"propose_ms_per_token_{name}"] > 0

@@ -287,3 +287,46 @@ def test_vocab_map_must_match_the_graph(reduced, tmp_path):
         np.savez(copy / "vocab_map.npz", sub_to_full=bad, full_vocab_size=96)
         with pytest.raises(ValueError, match="vocab map"):
             OnnxDraftModel(copy)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_compact_logits_are_the_full_rows_finite_columns_in_id_order(reduced, tmp_path,
+                                                                     shuffled):
+    """forward_compact = forward's finite columns, ascending full ids, also when the map
+    lists its ids out of order (the columns are then reordered); so argmax and the
+    truncated q over them pick the same full ids as over forward's rows, ties included."""
+    import shutil
+
+    from edge_client.sampling import truncated_distribution
+
+    onnx_dir, _, sub_to_full = reduced
+    if shuffled:
+        copy = tmp_path / "shuffled"
+        shutil.copytree(onnx_dir, copy)
+        np.savez(copy / "vocab_map.npz", sub_to_full=sub_to_full[::-1].copy(),
+                 full_vocab_size=96)
+        onnx_dir = copy
+    draft = OnnxDraftModel(onnx_dir, intra_op_threads=1)
+    ids = [1, 10, 12, 95, 3, 2]
+    full = draft.forward(draft.new_cache(), ids)
+    compact, vocab = draft.forward_compact(draft.new_cache(), ids)
+    assert list(vocab) == sorted(sub_to_full[sub_to_full >= 0].tolist())
+    assert compact.shape == (6, SUB_VOCAB - 1) and compact.dtype == np.float32
+    np.testing.assert_array_equal(compact, full[:, vocab])
+    tied = full[-1].copy()
+    tied[vocab[[3, 7]]] = tied.max() + 1  # a tie for the top: the lower id wins both ways
+    row = tied[vocab]
+    assert vocab[np.argmax(row)] == np.argmax(tied) == vocab[3]
+    cols, probs = truncated_distribution(row, 0.7, 0, 0.9, 8)
+    want_ids, want_probs = truncated_distribution(tied, 0.7, 0, 0.9, 8)
+    assert list(vocab[cols]) == list(want_ids)
+    np.testing.assert_allclose(probs, want_probs, rtol=1e-6)
+
+
+def test_compact_logits_without_a_vocab_map_are_the_whole_row(pair):
+    draft = pair[0]
+    ids = [3, 5, 7]
+    full = draft.forward(draft.new_cache(), ids)
+    compact, vocab = draft.forward_compact(draft.new_cache(), ids)
+    np.testing.assert_array_equal(compact, full)
+    assert list(vocab) == list(range(full.shape[1]))

@@ -76,8 +76,8 @@ log = logging.getLogger(__name__)
 # The context a draft without a position limit may draft in while no verifier has said its
 # own (the verifier's max_context replaces it when it answers).
 NO_CONTEXT_CAP = 1 << 20
-# A document's settle time inside a word (GenerationConfig.word_settle_ms): longer than most
-# of a typist's key intervals inside a word (80-200 ms), shorter than a pause.
+# A document's settle time inside a word until it knows the typist's pace
+# (GenerationConfig.word_settle_ms): longer than most key intervals inside a word.
 WORD_SETTLE_MS = 150.0
 
 
@@ -128,11 +128,12 @@ class GenerationConfig:
     # forward. An IME typing 80-200 ms a key then pays the verifier for the keys the user
     # pauses after, not for every key. Counted within budget_ms. 0: send at once.
     settle_ms: float = 0.0
-    # Documents only: the settle time while the text ends inside a word (its last character
-    # a letter or digit). Mid-word keys come 80-200 ms apart and their suggestions are
-    # stale by the next key, so a document waits for the word to pause; after a space or
-    # punctuation, where the user looks for the suggestion, it sends at once (unless
-    # settle_ms says otherwise). 0: no such wait.
+    # Documents only: while the text ends inside a word (its last character a letter or
+    # digit) a suggestion waits a little longer than the typist's usual gap between keys
+    # inside a word (edge_client.typing_pace), this long until that is known, and within
+    # half to twice this: a suggestion for a key inside a word is stale by the next key.
+    # After a space or punctuation, where the user looks for the suggestion, it is sent at
+    # once (unless settle_ms says otherwise). 0: no such wait.
     word_settle_ms: float = WORD_SETTLE_MS
 
     def __post_init__(self) -> None:

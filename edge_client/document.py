@@ -26,12 +26,13 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   each time tokens arrive, so the first verified tokens can be shown a round or more before
   the whole suggestion; ``suggest`` still returns the whole one.
 - **Settle.** A suggestion first waits for the typing to settle: ``settle_ms`` (per call,
-  or ``GenerationConfig.settle_ms``) after any key, and by default
-  ``GenerationConfig.word_settle_ms`` (150 ms) while the text ends inside a word. A newer
-  ``suggest`` (the next key) or ``cancel()`` in that time ends it, cancelled, before any
-  RPC, so keys typed in a burst cost the verifier nothing, and a key after a space or
-  punctuation, where the user looks for the suggestion, is sent at once. A per-call
-  ``settle_ms`` is the whole wait.
+  or ``GenerationConfig.settle_ms``) after any key, and while the text ends inside a word a
+  little longer than this typist's usual gap between keys inside a word
+  (``edge_client.typing_pace``; ``GenerationConfig.word_settle_ms``, 150 ms, until it is
+  known). A newer ``suggest`` (the next key) or ``cancel()`` in that time ends it,
+  cancelled, before any RPC, so keys typed in a burst cost the verifier nothing, and a key
+  after a space or punctuation, where the user looks for the suggestion, is sent at once.
+  A per-call ``settle_ms`` is the whole wait.
 - **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
   is unreachable is completed by the draft alone, marked unverified. The next suggestion
   over the same text (or a text that took some of those tokens) sends the rest of them
@@ -70,17 +71,11 @@ from edge_client.core import (
 )
 from edge_client.generation_state import ROUNDS, GenerationState
 from edge_client.session_streams import SessionKeeper
+from edge_client.typing_pace import TypingPace
 
 if TYPE_CHECKING:
     from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
 
-
-def settle_time(config: GenerationConfig, text: str) -> float:
-    """How long a suggestion after ``text`` waits for the typing to settle:
-    ``config.settle_ms``, or ``config.word_settle_ms`` if longer and the text ends inside a
-    word (its last character a letter or digit)."""
-    inside = text[-1:].isalnum()
-    return max(config.settle_ms, config.word_settle_ms if inside else 0.0)
 
 @dataclass(frozen=True)
 class SuggestionStats:
@@ -133,6 +128,7 @@ class AsyncDocument:
         self._rng = np.random.default_rng()  # back-off jitter only
         self._task: asyncio.Task | None = None
         self._calls = 0  # suggest() calls so far: the newest one wins
+        self._pace = TypingPace(config.word_settle_ms)  # the wait inside a word
         self._cancelled: asyncio.Task | None = None  # the task cancel() stopped, if any
         self._loop: asyncio.AbstractEventLoop | None = None
         self._offline = False  # the state's limits are the draft's own, not the verifier's
@@ -202,10 +198,11 @@ class AsyncDocument:
         timing = replace(self.config,
                          budget_ms=self.config.budget_ms if budget_ms is None else budget_ms,
                          settle_ms=self.config.settle_ms if settle_ms is None else settle_ms)
+        tail = text_or_ids if isinstance(text_or_ids, str) else \
+            self.client.tokenizer.decode(ids[-1:])
+        word_wait = self._pace.key(tail, t0)
         if settle_ms is None:  # the config's: longer while the text ends inside a word
-            tail = text_or_ids if isinstance(text_or_ids, str) else \
-                self.client.tokenizer.decode(ids[-1:])
-            timing = replace(timing, settle_ms=settle_time(self.config, tail))
+            timing = replace(timing, settle_ms=max(timing.settle_ms, word_wait))
         budget_ms, settle_ms = timing.budget_ms, timing.settle_ms
         self._calls += 1
         call = self._calls

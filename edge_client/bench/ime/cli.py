@@ -60,9 +60,10 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
                         "suggestion; a newer key cancels the wait, with no work sent "
                         "(edit sessions: GenerationConfig.settle_ms; default 0)")
     p.add_argument("--word-settle-ms", type=float, default=None,
-                   help="every mode waits this long after a key inside a word (default: "
-                        "edit sessions the product's GenerationConfig.word_settle_ms, "
-                        "reopen and cloud-only, today's clients, none)")
+                   help="every mode waits after a key inside a word as a document does, "
+                        "from this default (edge_client.typing_pace; default: edit sessions "
+                        "the product's GenerationConfig.word_settle_ms, reopen and "
+                        "cloud-only, today's clients, none)")
     p.add_argument("--no-follow-suggested-k", action="store_true",
                    help="edit sessions draft K every round instead of following the "
                         "verifier's suggested K (which is 0, plain decoding, when drafting "

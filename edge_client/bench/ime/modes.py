@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from edge_client.bench.fleet.device import failure_name
 from edge_client.client import AsyncEdgeClient, GenerationConfig
-from edge_client.document import settle_time
 from edge_client.errors import EdgeError
+from edge_client.typing_pace import TypingPace
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,11 @@ class Mode:
         self.name = name
         self.client = client
         self.config = config
+        self.pace = TypingPace(config.word_settle_ms)
 
     async def open_field(self) -> None:
-        pass
+        # As a document learns its typist's pace inside words afresh per text field.
+        self.pace = TypingPace(self.config.word_settle_ms)
 
     async def suggest(self, text: str, max_new_tokens: int, record: KeyRecord) -> None:
         raise NotImplementedError
@@ -118,7 +120,9 @@ class ReopenMode(Mode):
         n = _room(client, len(ids), max_new_tokens)
         if not ids or n == 0:
             return
-        wait = settle_time(self.config, text)  # a document's rule; the key cancels the wait
+        # A document's rule (settle_ms, and the typist's pace inside a word); the key
+        # cancels the wait.
+        wait = max(self.config.settle_ms, self.pace.key(text, time.perf_counter()))
         if wait:
             await asyncio.sleep(wait / 1000)
         config = replace(self.config, max_new_tokens=n)
@@ -220,7 +224,8 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
     sessions fall back to the draft alone when the verifier is away, if asked to, and
     follow the verifier's suggested K unless told not to (then they draft K every round,
     as the other modes do). Every mode waits ``settle_ms`` after a key before asking, and
-    ``word_settle_ms`` after a key inside a word (None: edit sessions the product's default,
+    after a key inside a word as a document does (edge_client.typing_pace, from
+    ``word_settle_ms``; None: edit sessions the product's default,
     GenerationConfig.word_settle_ms; the others, today's clients, none)."""
     if word_settle_ms is None:
         word_settle_ms = GenerationConfig.word_settle_ms if mode == "edit" else 0.0

@@ -103,7 +103,8 @@ def test_fleet_only_targets_loopback():
 @pytest.mark.parametrize("bad", [{"clients": 0}, {"duration_s": 0}, {"max_requests": 0},
                                  {"chat_tokens": 0}, {"workload": "essay"}, {"mode": "x"},
                                  {"protocol": "unary"}, {"retry_budget_s": -1},
-                                 {"drafts": "replay", "temperature": 0.7}])
+                                 {"drafts": "replay", "temperature": 0.7},
+                                 {"drafter": "feature"}, {"stop_confidence": 1.0}])
 def test_fleet_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         FleetConfig(**bad)
@@ -373,6 +374,22 @@ def test_fleet_flags_reach_the_config():
     assert (c.protocol, c.mode, c.core_protocol, c.clients) == ("rounds", "baseline", "cloud", 3)
     assert (c.deadline_s, c.retry_budget_s) == (5.0, 9.0)
     assert p.parse_args(["--server", "127.0.0.1:1", "--json", "y"]).protocol == "lookahead"
+    c = config_from_args(p.parse_args(["--server", "127.0.0.1:1", "--json", "y", "--drafter",
+                                       "model", "--stop-confidence", "0"]),
+                         1, "wifi", "spec", 5.0)
+    assert (c.drafter, c.stop_confidence) == ("model", 0.0)
+
+
+def test_the_fleet_drafts_as_the_product_does_by_default():
+    """FleetConfig's drafter defaults are spelled out (parsing a fleet command imports no
+    client); they are the product's, and its drafter kinds the product's independent ones."""
+    from edge_client.bench.fleet.config import FLEET_DRAFTERS
+    from edge_client.client import GenerationConfig
+    from edge_client.combined_drafter import DRAFTER_KINDS, FEATURE
+
+    assert FleetConfig().drafter == GenerationConfig.drafter
+    assert FleetConfig().stop_confidence == GenerationConfig.stop_confidence
+    assert set(FLEET_DRAFTERS) == set(DRAFTER_KINDS) - {FEATURE}
 
 
 def test_the_fleet_runs_no_client_loop_of_its_own():

@@ -31,7 +31,8 @@ AGGREGATE_KEYS = ("tokens_per_s", "tpot_ms_p50", "tpot_ms_p95", "tpot_ms_p99", "
                   "acceptance_rate", "drafting_forward_share", "continued_share",
                   "server_queue_ms_per_token", "server_forward_ms_per_token", "ttft_ms_p95",
                   "ttft_ms_p99", "tpot_samples", "network_retransmits")
-RESULT_KEYS = {"clients", "duration_s", "profile", "workload", "mode", "drafts", "protocol",
+RESULT_KEYS = {"clients", "duration_s", "profile", "workload", "mode", "drafts", "drafter",
+               "stop_confidence", "protocol",
                "replay_recorded_requests", "draft_len", "confidence", "adaptive",
                "temperature", "chat_tokens", "ime_document", "address", "target_model",
                "aggregate", "per_client", "samples"}
@@ -79,6 +80,7 @@ def test_fleet_spec_replay_and_baseline(verifier, tiny_llama_pair, tmp_path):
                  protocol="rounds")
     check_result(spec, 4)
     assert spec["mode"] == "spec" and spec["drafts"] == "replay"
+    assert (spec["drafter"], spec["stop_confidence"]) == ("combined", 0.1)  # the product's
     assert spec["protocol"] == "rounds" and spec["adaptive"] is True
     assert spec["profile"]["name"] == "wifi" and spec["workload"] == "mixed"
     a = spec["aggregate"]

@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 
 from edge_client.bench.fleet.config import (
+    DEFAULT_DRAFTER,
+    DEFAULT_STOP_CONFIDENCE,
     DRAFT_SOURCES,
+    FLEET_DRAFTERS,
     MODES,
     PROTOCOLS,
     WORKLOADS,
@@ -62,6 +65,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "round trip per round, with cloud-side Decodes when drafting does "
                         "not pay)")
     p.add_argument("--draft-len", type=int, default=4, help="K, drafts per round")
+    p.add_argument("--drafter", choices=FLEET_DRAFTERS, default=DEFAULT_DRAFTER,
+                   help="what each device drafts with (and the replay book records): the "
+                        "product's drafter kinds (default: the product's, combined)")
+    p.add_argument("--stop-confidence", type=float, default=DEFAULT_STOP_CONFIDENCE,
+                   help="a round stops drafting below this joint confidence (default: the "
+                        "product's)")
     p.add_argument("--no-confidence", action="store_true",
                    help="greedy drafts go without the draft's confidences, so the server's "
                         "suggested draft length alone decides how many it verifies (A/B)")
@@ -126,6 +135,7 @@ def config_from_args(args: argparse.Namespace, clients: int, profile_name: str, 
     return FleetConfig(
         clients=clients, duration_s=duration_s, profile=profile_name, workload=args.workload,
         mode=mode, drafts=args.drafts, protocol=args.protocol, draft_len=args.draft_len,
+        drafter=args.drafter, stop_confidence=args.stop_confidence,
         confidence=not args.no_confidence, adaptive=not args.no_adaptive,
         chat_tokens=args.chat_tokens, ime_document=args.ime_document,
         prompts=args.prompts, think_ms=args.think_ms, temperature=args.temperature,
@@ -180,7 +190,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         runs = asyncio.run(sweep(verifier.address, configs,
                                  args.draft_dir or default_draft_dir(), args.replay_cache,
                                  args.slo_ms, args.keep_going))
-    settings = {"workload": args.workload, "drafts": args.drafts,
+    settings = {"workload": args.workload, "drafts": args.drafts, "drafter": args.drafter,
+                "stop_confidence": args.stop_confidence,
                 "draft_len": args.draft_len, "duration_s": args.duration,
                 "repeats": args.repeats}
     result = write_sweep(args.json, args.plots_dir, runs, args.slo_ms, settings,

@@ -19,6 +19,12 @@ MODES = ("spec", "baseline")
 # drafting does not pay). Baseline runs the core's "cloud" protocol (Generate).
 PROTOCOLS = ("lookahead", "rounds")
 DRAFT_SOURCES = ("model", "replay")
+# The drafters a simulated device can run: the product's independent ones (no target
+# features), and the product's defaults (edge_client.client.GenerationConfig); spelled out
+# here so that parsing a fleet command imports no client (tests/test_fleet.py checks them).
+FLEET_DRAFTERS = ("combined", "model", "ngram")
+DEFAULT_DRAFTER = "combined"
+DEFAULT_STOP_CONFIDENCE = 0.1
 
 
 class NotLoopback(ValueError):
@@ -45,6 +51,11 @@ class FleetConfig:
     workload: str = "chat"
     mode: str = "spec"
     drafts: str = "replay"
+    # What each device drafts with (and the replay book records): the product's defaults,
+    # GenerationConfig.drafter (combined: copies where the text repeats, the model elsewhere)
+    # and GenerationConfig.stop_confidence.
+    drafter: str = DEFAULT_DRAFTER
+    stop_confidence: float = DEFAULT_STOP_CONFIDENCE
     protocol: str = "lookahead"
     draft_len: int = 4
     # Greedy drafts carry the draft's confidences, and the server's draft_token_cost cuts them
@@ -83,6 +94,10 @@ class FleetConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if self.drafts not in DRAFT_SOURCES:
             raise ValueError(f"drafts must be one of {', '.join(DRAFT_SOURCES)}")
+        if self.drafter not in FLEET_DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(FLEET_DRAFTERS)}")
+        if not 0 <= self.stop_confidence < 1:
+            raise ValueError("stop_confidence must be in [0, 1)")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         if self.drafts == "replay" and self.temperature != 0 and self.mode == "spec":

@@ -1,5 +1,6 @@
-"""A simulated device's drafts: the ONNX draft model (in a worker thread, through the client
-core's ``model_proposer``), or the replay book with the model on a miss."""
+"""A simulated device's drafts: the product's drafter (``make_drafter``: the ONNX draft model,
+with copies where the text repeats by default) in a worker thread, through the client core's
+``model_proposer``, or the replay book with that drafter on a miss."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 
 from edge_client.bench.fleet.replay import ReplayBook
 from edge_client.bench.fleet.workload import Request
+from edge_client.combined_drafter import make_drafter
 from edge_client.core import GenerationStats, Propose, model_proposer
-from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
+from edge_client.drafter import DraftSampling, Proposal
 from edge_client.generation_state import NO_DRAFTS
 
 
@@ -18,8 +20,10 @@ class DraftSource:
     """Proposals for one device, with its replay hits and misses and its drafting time."""
 
     def __init__(self, kind: str, model_factory: Callable, sampling: DraftSampling,
-                 book: ReplayBook | None, confidence: bool = True) -> None:
+                 book: ReplayBook | None, confidence: bool = True,
+                 drafter: str = "combined") -> None:
         self.kind = kind
+        self.drafter = drafter  # edge_client.combined_drafter.make_drafter's kind
         self.confidence = confidence
         self._model_factory = model_factory
         self.sampling = sampling
@@ -36,7 +40,8 @@ class DraftSource:
         async def from_model(committed: list[int], k: int) -> Proposal:
             if not model:  # the first miss loads the model (shared by the devices)
                 model.append(model_proposer(
-                    ModelDrafter(self._model_factory(), self.sampling, rng), stats))
+                    make_drafter(self.drafter, self._model_factory(), self.sampling, rng),
+                    stats))
             before = stats.draft_s
             try:
                 return await model[0](committed, k)

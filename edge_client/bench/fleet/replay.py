@@ -20,12 +20,13 @@ import numpy as np
 
 from edge_client import core
 from edge_client.bench.fleet.workload import Request
+from edge_client.combined_drafter import make_drafter
 from edge_client.connection import Connection, Deadlines, RetryPolicy
-from edge_client.drafter import DraftSampling, ModelDrafter, Proposal
+from edge_client.drafter import DraftSampling, Proposal
 from edge_client.generation_state import CLOUD, GenerationState, ServerLimits, SessionParams
 from shared.pb import verifier_pb2 as pb
 
-REPLAY_FORMAT = 3  # bump when Recording changes
+REPLAY_FORMAT = 4  # bump when Recording (or what it records) changes
 # Recording is not load: generous deadlines, the core's retries.
 RECORD_DEADLINE_S = 600.0
 
@@ -71,8 +72,11 @@ class ReplayBook:
             return None
         j = len(committed) - len(request.prompt_ids)
         if j >= len(rec.proposals) or committed[len(request.prompt_ids):] != \
-                rec.continuation[:j] or len(rec.proposals[j]) < k:
+                rec.continuation[:j]:
             return None
+        # Recorded with the book's K (identity), never less than a device asks for; a greedy
+        # proposal for k is the first k of it, a stopped one included (a stop depends on the
+        # drafts before it only).
         return Proposal(rec.proposals[j][:k], None, rec.confidences[j][:k])
 
 
@@ -92,10 +96,13 @@ def book_path(identity: dict) -> Path:
     return cache_dir() / "fleet-replay" / f"{digest[:16]}.json"
 
 
-def greedy_proposals(model, prompt: list[int], continuation: list[int],
-                     k: int) -> list[Proposal]:
-    drafter = ModelDrafter(model, DraftSampling(), np.random.default_rng(0))
-    return [drafter.propose(prompt + continuation[:j], k) for j in range(len(continuation))]
+def greedy_proposals(model, prompt: list[int], continuation: list[int], k: int,
+                     drafter: str = "model", stop_confidence: float = 0.0) -> list[Proposal]:
+    """The ``drafter``'s greedy proposals of up to ``k`` after each prefix of the
+    continuation: what a device drafting with it proposes there."""
+    draft = make_drafter(drafter, model, DraftSampling(stop_confidence=stop_confidence),
+                         np.random.default_rng(0))
+    return [draft.propose(prompt + continuation[:j], k) for j in range(len(continuation))]
 
 
 async def _no_drafts(committed: list[int], k: int) -> Proposal:
@@ -118,6 +125,7 @@ async def target_continuation(conn: Connection, info: pb.GetInfoResponse,
 
 async def record_replay(book: ReplayBook, address: str, info: pb.GetInfoResponse,
                         requests: list[Request], model_factory: Callable, k: int,
+                        drafter: str = "model", stop_confidence: float = 0.0,
                         concurrency: int = 8, progress: bool = True) -> int:
     """Records every request missing from the book; returns how many were recorded."""
     longest: dict[str, Request] = {}
@@ -142,7 +150,7 @@ async def record_replay(book: ReplayBook, address: str, info: pb.GetInfoResponse
         async with gate:
             tokens = await target_continuation(conn, info, req)
         proposals = await asyncio.to_thread(greedy_proposals, model, list(req.prompt_ids),
-                                            tokens, k)
+                                            tokens, k, drafter, stop_confidence)
         book.recordings[req.key] = Recording(req.max_new_tokens, tokens,
                                              [p.tokens for p in proposals],
                                              [p.confidence or [] for p in proposals])

@@ -85,15 +85,19 @@ async def run_fleet_async(address: str, config: FleetConfig, draft_dir: Path,
         k = replay_k(config, limits)
         identity = {"format": REPLAY_FORMAT, "target": info.target_model,
                     "tokenizer": info.tokenizer_fingerprint,
-                    "draft": draft_identity(draft_dir), "k": k}
+                    "draft": draft_identity(draft_dir), "k": k, "drafter": config.drafter,
+                    "stop_confidence": config.stop_confidence}
         book = ReplayBook(replay_cache or book_path(identity), identity)
         recorded = await record_replay(book, address, info, workload.all_requests(
-            config.workload, config.clients), model_factory, k, progress=config.progress)
+            config.workload, config.clients), model_factory, k, config.drafter,
+            config.stop_confidence, progress=config.progress)
 
-    sampling = DraftSampling(temperature=config.temperature)
+    sampling = DraftSampling(temperature=config.temperature,
+                             stop_confidence=config.stop_confidence)
 
     def draft_source() -> DraftSource | None:
-        return (DraftSource(config.drafts, model_factory, sampling, book, config.confidence)
+        return (DraftSource(config.drafts, model_factory, sampling, book, config.confidence,
+                            config.drafter)
                 if config.mode == "spec" else None)
 
     if config.warm_up:

@@ -330,3 +330,17 @@ def test_compact_logits_without_a_vocab_map_are_the_whole_row(pair):
     compact, vocab = draft.forward_compact(draft.new_cache(), ids)
     np.testing.assert_array_equal(compact, full)
     assert list(vocab) == list(range(full.shape[1]))
+
+
+def test_the_acceptance_trace_rows_are_the_full_forward_rows(reduced):
+    """draft_trace times forward_compact and widens its rows: they equal forward's, -inf
+    outside the draft's vocabulary included."""
+    from edge_client.bench.acceptance import draft_trace
+
+    draft = OnnxDraftModel(reduced[0], intra_op_threads=1)
+    prompt, path = [1, 10, 12], [14, 3, 16, 95]
+    rows, steps = draft_trace(draft, prompt, path)
+    cache = draft.new_cache()
+    want = [draft.forward(cache, prompt)[-1]] + [draft.forward(cache, [t])[-1] for t in path[:-1]]
+    np.testing.assert_array_equal(rows, np.stack(want))
+    assert len(steps) == len(path) - 1 and all(s > 0 for s in steps)

@@ -191,14 +191,19 @@ def target_greedy_path(target, prompt: list[int], max_new_tokens: int,
 
 def draft_trace(model, prompt: list[int], path: list[int]) -> tuple[np.ndarray, list[float]]:
     """The ONNX draft's logits along ``path`` (row t predicts path[t]), and the seconds of each
-    1-token step after the prefill."""
+    1-token step after the prefill: the forward the drafter runs (``forward_compact``, the
+    draft's own columns), whose row is then widened to the full vocabulary (-inf elsewhere,
+    as ``forward`` gives it) outside the timing."""
     cache = model.new_cache()
     rows = [model.forward(cache, prompt)[-1]]
     steps = []
     for token in path[:-1]:
         t0 = time.perf_counter()
-        rows.append(model.forward(cache, [token])[-1])
+        compact, vocab = model.forward_compact(cache, [token])
         steps.append(time.perf_counter() - t0)
+        row = np.full(model.vocab_size, -np.inf, dtype=np.float32)
+        row[vocab] = compact[-1]
+        rows.append(row)
     return np.stack(rows), steps  # [n, V]
 
 

@@ -32,6 +32,10 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
            f"{cfg.int4_block}, accuracy level {cfg.int4_accuracy})."] if cfg.int4 else []),
         *(["The embedding is looked up in the quantized LM head's weight (one stored copy of "
            "the tied matrix)."] if cfg.share_embedding else []),
+        *(["The graph is built from onnxruntime's fused operators (GroupQueryAttention with "
+           "rotary, SkipSimplifiedLayerNormalization, one QKV projection a layer; "
+           "`edge_client/tools/fused_graph.py`), not traced."]
+          if cfg.graph == "fused" else []),
         "",
         "## Architecture",
         "",

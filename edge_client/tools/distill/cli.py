@@ -110,6 +110,9 @@ def parse_args(argv: Sequence[str] | None):
                    help="4-bit weight-only MatMulNBits for the MatMuls whose names contain a "
                         "PATTERN (e.g. mlp/gate_proj mlp/up_proj mlp/down_proj lm_head)")
     e.add_argument("--int4-block", type=int, choices=(16, 32, 64, 128), default=32)
+    e.add_argument("--graph", choices=("traced", "fused"), default="traced",
+                   help="traced: optimum's export; fused: onnxruntime's fused attention and "
+                        "norm operators, a dozen nodes a layer (edge_client/tools/fused_graph.py)")
     e.add_argument("--int4-accuracy", type=int, choices=(0, 1, 2, 3, 4), default=4,
                    help="MatMulNBits accuracy_level (4: int8 activations, the faster on the "
                         "2-core VM; 0: fp32)")
@@ -308,7 +311,7 @@ def _run(args) -> int:
                                   measure_target=not args.no_target_timing,
                                   share_embedding=args.share_embedding, int4=tuple(args.int4),
                                   int4_block=args.int4_block,
-                                  int4_accuracy=args.int4_accuracy))
+                                  int4_accuracy=args.int4_accuracy, graph=args.graph))
         print(json.dumps(jsonable(res), indent=2))
     elif args.cmd == "import-onnx":
         from edge_client.tools.distill.onnx_import import import_onnx

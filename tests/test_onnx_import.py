@@ -137,3 +137,19 @@ def test_tied_copies_combine_to_the_middle_of_both_rounding_intervals():
         assert np.all(np.abs(est - w) <= np.broadcast_to(step, w.shape) / 2 + 1e-6)
     exact, how = combine_tied(Weight(w, None, "fp32"), b)
     assert exact is w and "exact" in how
+
+
+def test_export_of_an_imported_run_carries_the_source_card(data, exported, tmp_path):  # noqa: F811
+    run = tmp_path / "imported"
+    import_onnx(exported["int8"], run, data["target"], check_tokens=0)
+    export(ExportConfig(run, tmp_path / "again", None, data["target"], fp32_out=tmp_path / "f",
+                        twin_out=tmp_path / "twin", measure_target=False))
+    card = (tmp_path / "again" / "MODEL_CARD.md").read_text()
+    source = (exported["int8"] / "MODEL_CARD.md").read_text()
+    assert f"the ONNX draft `{exported['int8']}`, imported" in card
+    assert "- steps 0," not in card  # no training of its own to report
+    # The source card follows, its headings one level down.
+    head, tail = card.split("## Source card", 1)
+    assert "## Training" in head and "\n### Training\n" in tail
+    assert source.splitlines()[0].startswith("# ") and "\n#" + source.splitlines()[0] in tail
+    assert "- steps 4," in tail  # the source's own training, as written when it was exported

@@ -50,19 +50,15 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
            if vmap.size != vmap.full_vocab_size else " (the full target vocabulary)"),
         f"- parameters: {n_params / 1e6:.2f} M",
         "",
-        "## Training",
-        "",
-        f"- data: {', '.join(f'`{d}`' for d in as_dirs(tc.get('data')))} (shards "
-        f"{len(st.get('epoch_shards') or [])} in the last epoch), target top-k distributions "
-        "at temperature 1",
-        *([f"- started from the weights of run `{saved['init_from']}` (its own lineage is in "
-           "the wall-time table)"] if saved.get("init_from") else []),
-        f"- loss: KL(p_topk || q) + {tc.get('tv_weight')} * TV(p_topk, q)",
-        f"- steps {st['step']}, batch {tc.get('batch_size')} sequences, epochs {st['epoch']}, "
-        f"tokens seen {st['tokens_seen']:,}, lr {tc.get('lr')} (AdamW, cosine), seed "
-        f"{saved.get('seed')}",
-        f"- wall time {st['wall_s'] / 60:.1f} min on the 2-core CPU VM",
-        "",
+        *(_training(tc, st, saved) if not saved.get("imported_from") else [
+            "## Training",
+            "",
+            f"- weights: the ONNX draft `{saved['imported_from']}`, imported "
+            f"({saved.get('created')}) with `edgespec-distill import-onnx` (its int8 weights "
+            "dequantized) and exported again here; how they were trained, and the wall time "
+            "behind them, are in that draft's card, kept at the end under \"Source card\"",
+            f"- seed {saved.get('seed')}",
+            ""]),
         "## Held-out acceptance (prompts never trained on)",
         "",
         "greedy_alpha: draft argmax == target greedy token given the target's prefix; "
@@ -99,7 +95,32 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
         total += seconds
     lines += [f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
               f"| total | {total / 60:.1f} |", ""]
+    source = Path(cfg.run_dir) / "SOURCE_MODEL_CARD.md"
+    if saved.get("imported_from") and source.is_file():
+        lines += [f"## Source card (`{saved['imported_from']}`, as imported)", ""]
+        # Its headings one level down, under this one.
+        lines += [("#" + ln if ln.startswith("#") else ln)
+                  for ln in source.read_text().splitlines()]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _training(tc: dict, st: dict, saved: dict) -> list[str]:
+    return [
+        "## Training",
+        "",
+        f"- data: {', '.join(f'`{d}`' for d in as_dirs(tc.get('data')))} (shards "
+        f"{len(st.get('epoch_shards') or [])} in the last epoch), target top-k distributions "
+        "at temperature 1",
+        *([f"- started from the weights of run `{saved['init_from']}` (its own lineage is in "
+           "the wall-time table)"] if saved.get("init_from") else []),
+        f"- loss: KL(p_topk || q) + {tc.get('tv_weight')} * TV(p_topk, q)",
+        f"- steps {st['step']}, batch {tc.get('batch_size')} sequences, epochs {st['epoch']}, "
+        f"tokens seen {st['tokens_seen']:,}, lr {tc.get('lr')} (AdamW, cosine), seed "
+        f"{saved.get('seed')}",
+        f"- wall time {st['wall_s'] / 60:.1f} min on the 2-core CPU VM",
+        "",
+    ]
 
 
 def _pipeline_stages(run: Path, ck: dict) -> dict:

@@ -29,7 +29,10 @@ from shared.atomic_dir import staging_dir
 
 log = logging.getLogger(__name__)
 
-_OPSET = 21
+# IR 8 and opset 17, as the traced export writes: onnxruntime releases older than the one
+# that wrote the file load it too (1.20 refuses the IR 10+ that onnx 1.23 writes by default).
+_IR_VERSION = 8
+_OPSET = 17
 _MS = "com.microsoft"
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "chat_template.jinja", "special_tokens_map.json")
@@ -203,7 +206,7 @@ def build_fused_model(cfg: dict, weights: dict[str, np.ndarray]):
                               initializer=inits, value_info=typed)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _OPSET),
                                                    helper.make_opsetid(_MS, 1)],
-                             producer_name="edgespec.fused_graph")
+                             producer_name="edgespec.fused_graph", ir_version=_IR_VERSION)
 
 
 def export_fused_onnx(pt_dir: Path, onnx_dir: Path) -> Path:

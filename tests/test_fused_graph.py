@@ -153,3 +153,10 @@ def test_export_cli_takes_the_graph_option():
         == "fused"
     with pytest.raises(SystemExit):
         parse_args(["export", "--run-dir", "r", "--out", "o", "--graph", "other"])
+
+
+def test_export_config_refuses_an_unknown_graph_before_any_work():
+    from edge_client.tools.distill.export import ExportConfig
+
+    with pytest.raises(ValueError, match="graph must be"):
+        ExportConfig(Path("r"), Path("o"), None, None, graph="other")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.tools.export_draft import TOKENIZER_FILES
 from shared.atomic_dir import staging_dir
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,7 @@ log = logging.getLogger(__name__)
 _IR_VERSION = 8
 _OPSET = 17
 _MS = "com.microsoft"
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "chat_template.jinja", "special_tokens_map.json")
+_COPIED = ("config.json", *TOKENIZER_FILES)
 
 
 class UnsupportedArchitecture(ValueError):
@@ -52,13 +52,16 @@ def _check_config(cfg: dict) -> None:
         problems.append("biases in attention or MLP")
     if cfg.get("rope_scaling"):
         problems.append(f"rope_scaling {cfg['rope_scaling']!r}")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    head_dim = _head_dim(cfg)
     if head_dim % 16:
         # onnxruntime's CPU GroupQueryAttention kernel takes multiples of 16 only.
         problems.append(f"head_dim {head_dim} (GroupQueryAttention wants a multiple of 16)")
     if problems:
         raise UnsupportedArchitecture("fused graph export: unsupported " + "; ".join(problems))
+
+
+def _head_dim(cfg: dict) -> int:
+    return int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
 
 
 def _load_weights(pt_dir: Path) -> dict[str, np.ndarray]:
@@ -91,7 +94,7 @@ def build_fused_model(cfg: dict, weights: dict[str, np.ndarray]):
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads", heads))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = _head_dim(cfg)
     layers = int(cfg["num_hidden_layers"])
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     embed = weights["model.embed_tokens.weight"]

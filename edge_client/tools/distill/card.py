@@ -19,6 +19,8 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
                cfg: ExportConfig, export_s: float) -> str:
     st, tc = ck["state"], ck.get("train_config", {})
     n_params = sum(p.numel() for p in model.parameters())
+    source = Path(cfg.run_dir) / "SOURCE_MODEL_CARD.md"
+    imported = saved.get("imported_from")
     lines = [
         "# edgespec distilled draft",
         "",
@@ -50,13 +52,13 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
            if vmap.size != vmap.full_vocab_size else " (the full target vocabulary)"),
         f"- parameters: {n_params / 1e6:.2f} M",
         "",
-        *(_training(tc, st, saved) if not saved.get("imported_from") else [
+        *(_training(tc, st, saved) if not imported else [
             "## Training",
             "",
-            f"- weights: the ONNX draft `{saved['imported_from']}`, imported "
-            f"({saved.get('created')}) with `edgespec-distill import-onnx` (its int8 weights "
-            "dequantized) and exported again here; how they were trained, and the wall time "
-            "behind them, are in that draft's card, kept at the end under \"Source card\"",
+            f"- weights: the ONNX draft `{imported}`, imported ({saved.get('created')}) with "
+            "`edgespec-distill import-onnx` (its int8 weights dequantized) and exported again "
+            "here; how they were trained, and the wall time behind them, are in that draft's "
+            "card" + (", kept at the end under \"Source card\"" if source.is_file() else ""),
             f"- seed {saved.get('seed')}",
             ""]),
         "## Held-out acceptance (prompts never trained on)",
@@ -95,9 +97,8 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
         total += seconds
     lines += [f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
               f"| total | {total / 60:.1f} |", ""]
-    source = Path(cfg.run_dir) / "SOURCE_MODEL_CARD.md"
-    if saved.get("imported_from") and source.is_file():
-        lines += [f"## Source card (`{saved['imported_from']}`, as imported)", ""]
+    if imported and source.is_file():
+        lines += [f"## Source card (`{imported}`, as imported)", ""]
         # Its headings one level down, under this one.
         lines += [("#" + ln if ln.startswith("#") else ln)
                   for ln in source.read_text().splitlines()]

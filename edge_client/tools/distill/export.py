@@ -58,6 +58,10 @@ class ExportConfig:
     # operators (tools.fused_graph; measured on v7: the same acceptance, a 0.77x step).
     graph: str = "traced"
 
+    def __post_init__(self) -> None:
+        if self.graph not in ("traced", "fused"):
+            raise ValueError(f"graph must be 'traced' or 'fused', got {self.graph!r}")
+
 
 def export(cfg: ExportConfig) -> dict:
     """ckpt.pt -> HF checkpoint -> ONNX fp32 -> int8; evaluates both; writes MODEL_CARD.md."""
@@ -91,12 +95,7 @@ def export(cfg: ExportConfig) -> dict:
         full_vocab_twin(model, vmap).save_pretrained(staged, safe_serialization=True)
     log.info("full-vocabulary PyTorch twin in %s", twin_dir)
     fp32_dir = Path(cfg.fp32_out) if cfg.fp32_out else run / "onnx-fp32"
-    if cfg.graph == "fused":
-        export_fused_onnx(pt_dir, fp32_dir)
-    elif cfg.graph == "traced":
-        export_onnx(pt_dir, fp32_dir)
-    else:
-        raise ValueError(f"graph must be 'traced' or 'fused', got {cfg.graph!r}")
+    (export_fused_onnx if cfg.graph == "fused" else export_onnx)(pt_dir, fp32_dir)
     if vmap.size != vmap.full_vocab_size:
         vmap.save(fp32_dir / VOCAB_MAP_FILE)
 

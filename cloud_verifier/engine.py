@@ -14,6 +14,12 @@ copy. Each session's uniforms come from its own generator, seeded from (session 
 committed length), so batched results equal sessions run one at a time, and equal the
 per-session reference (``cloud_verifier.verification``) bit for bit on the CPU.
 
+Token healing (``Session.continue_with``, ``shared.token_spelling``): while a session's new
+tokens have not yet spelled the bytes it must continue with, each of its rows is masked to
+the tokens consistent with what is left of them, walking the round's drafts (a draft that is
+not consistent is rejected by the mask itself: p gives it 0), before the decisions; the
+committed tokens then advance what is left.
+
 Target features (``cloud_verifier.features``): for each session that asked, the forward's
 final-norm hidden state at the row that decided the session's last committed token (row j of
 its K+1 decided the j+1-th token it appended) is copied to the host, for all of them at once
@@ -43,6 +49,7 @@ from cloud_verifier.packed_forward import (
 )
 from cloud_verifier.sessions import Session, position_seed
 from shared.feature_codec import EncodedFeature
+from shared.token_spelling import TokenSpelling
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +101,16 @@ class VerifierEngine:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, max_context: int,
                  kv_budget_bytes: int | None = None, attention: str | None = None,
-                 features: FeatureServing | None = None) -> None:
+                 features: FeatureServing | None = None,
+                 spelling: TokenSpelling | None = None) -> None:
         """``attention``: how a packed forward runs attention (``cloud_verifier.attention``);
         None picks the default for the model's device and dtype. ``features``: what the
-        sessions that ask get (None: none is served; only a packed forward captures them)."""
+        sessions that ask get (None: none is served; only a packed forward captures them).
+        ``spelling``: the tokenizer's token bytes, for sessions that continue with given
+        bytes (None: no session may)."""
         self.model = model
+        self.spelling = spelling
+        self._masks: dict[bytes, torch.Tensor] = {}  # rest -> [V] bool, True: not allowed
         param = next(model.parameters())
         self.attention = attention or default_attention(param.device, param.dtype)
         check_attention(self.attention, param.device)
@@ -218,6 +230,7 @@ class VerifierEngine:
     def _decide(self, rounds: list[tuple[Session, DraftRound]], logits: torch.Tensor
                 ) -> list[tuple[int, int, bool]]:
         """(n, next token, valid) per round, decided together on the logits' device."""
+        self._mask_spelling(rounds, logits)
         k_max = max(len(d.tokens) for _, d in rounds)
         uniforms = []  # [B, Kmax+1]: drawn here, from each session's own generator
         for session, draft in rounds:
@@ -232,6 +245,40 @@ class VerifierEngine:
                             [s.sampling for s, _ in rounds],
                             torch.tensor(uniforms, dtype=torch.float64)).tolist()
 
+    def _mask_spelling(self, rounds: list[tuple[Session, DraftRound]],
+                       logits: torch.Tensor) -> None:
+        """Restricts the rows of sessions that must still spell bytes (in place; the forward
+        made the logits under inference mode, which alone may write them)."""
+        with torch.inference_mode():
+            self._mask_rows(rounds, logits)
+
+    def _mask_rows(self, rounds: list[tuple[Session, DraftRound]],
+                   logits: torch.Tensor) -> None:
+        offset = 0
+        for session, draft in rounds:
+            rest = session.continue_with
+            for j in range(len(draft.tokens) + 1):
+                if not rest:
+                    break
+                logits[offset + j].masked_fill_(self._disallowed(rest, logits), float("-inf"))
+                if j < len(draft.tokens):
+                    rest = self.spelling.advance(rest, draft.tokens[j])
+                    if rest is None:  # this draft is rejected here: later rows do not count
+                        break
+            offset += len(draft.tokens) + 1
+
+    def _disallowed(self, rest: bytes, logits: torch.Tensor) -> torch.Tensor:
+        mask = self._masks.get(rest)
+        if mask is None:
+            mask = torch.ones(logits.shape[1], dtype=torch.bool)
+            allowed = self.spelling.allowed(rest)
+            mask[torch.from_numpy(allowed[allowed < logits.shape[1]])] = False
+            mask = mask.to(logits.device)
+            if len(self._masks) >= 256:
+                self._masks.clear()
+            self._masks[rest] = mask
+        return mask
+
     def _apply(self, session: Session, draft: DraftRound, n: int, next_token: int,
                forward_ns: int, batch_sessions: int, batch_tokens: int, fed: int
                ) -> RoundOutcome:
@@ -244,6 +291,12 @@ class VerifierEngine:
     def _commit(self, session: Session, tokens: list[int]) -> tuple[list[int], bool]:
         appended: list[int] = []
         for token in tokens:
+            if session.continue_with:
+                # The masks guarantee a consistent token; None would be a bug in them.
+                rest = self.spelling.advance(session.continue_with, token)
+                if rest is None:
+                    raise RuntimeError("a committed token breaks the session's spelling")
+                session.continue_with = rest
             session.committed.append(token)
             appended.append(token)
             if token in session.stop_token_ids or (

@@ -117,6 +117,7 @@ class RoundRunner:
                                     max_new_tokens, params.stop_token_ids)
         session.editable = params.editable
         session.want_feature = params.want_feature
+        session.continue_with = params.continue_with
         self.metrics.active_sessions.set(len(self.store))
         session.kv = self.prefix_cache.restore(owner, params.prompt)
         self.metrics.prefix_cache_queries.inc(len(params.prompt) - 1)
@@ -301,6 +302,7 @@ class RoundRunner:
         self.engine.apply_edit(session, edit.keep, edit.append)
         session.prompt_len = len(session.committed)
         session.max_new_tokens = edit.max_new_tokens
+        session.continue_with = edit.continue_with
         session.suggestion = edit.suggestion
         session.next_round = 0
         session.finished = False

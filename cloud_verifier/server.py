@@ -91,7 +91,8 @@ class VerifierServer:
                                     packed) if config.serve_features else None
         self.service = VerifierService(
             VerifierEngine(target.model, target.vocab_size, max_context,
-                           config.kv_budget_bytes, features=features), config,
+                           config.kv_budget_bytes, features=features,
+                           spelling=target.spelling), config,
             ModelInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
                       tuple(target.eos_token_ids)),
             self.metrics)

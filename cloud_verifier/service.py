@@ -72,7 +72,8 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
         self.runner = RoundRunner(engine, config, metrics)
         self.limits = Limits(info.vocab_size, config.max_draft_len, engine.max_context,
                              config.max_q_support,
-                             serves_features=engine.features is not None)
+                             serves_features=engine.features is not None,
+                             spelling=engine.spelling)
         self._eos = frozenset(info.eos_token_ids)
         self.streams = LiveStreams()
         self._aborts: set[asyncio.Task] = set()
@@ -109,6 +110,7 @@ class VerifierService(pb_grpc.VerifierServiceServicer):
             modes=["greedy", "sampling"], eos_token_ids=list(self.info.eos_token_ids),
             max_q_support=self.limits.max_q_support,
             max_stop_token_ids=self.limits.max_stop_token_ids,
+            max_continue_with=self.limits.max_continue_with,
             feature=None if self.engine.features is None
             else self.engine.features.capability_pb())
 

@@ -79,6 +79,9 @@ class Session:
     # Opened with want_feature: each round's outcome carries the target feature of its last
     # committed token (cloud_verifier.engine).
     want_feature: bool = False
+    # Token healing: the bytes the new tokens must still spell (OpenSession.continue_with,
+    # Edit.continue_with), advanced as tokens commit (cloud_verifier.engine).
+    continue_with: bytes = b""
     # Whether the last suggested_draft_len was above 0; its changes are the acceptance
     # collapses (and recoveries) the metrics count.
     speculating: bool = True

@@ -26,6 +26,7 @@ import torch
 
 from shared import paths
 from shared.atomic_dir import staging_dir
+from shared.token_spelling import TokenSpelling, spelling_of
 from shared.tokenizer_fingerprint import vocab_fingerprint
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,8 @@ class LoadedTarget:
     max_context: int  # max_position_embeddings
     eos_token_ids: tuple[int, ...]
     tokenizer_fingerprint: str
+    # Token bytes for token healing (shared.token_spelling); None: not byte-level BPE.
+    spelling: TokenSpelling | None = None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -284,6 +287,8 @@ def load_target(
         max_context=int(config.max_position_embeddings),
         eos_token_ids=_eos_ids(model),
         tokenizer_fingerprint=vocab_fingerprint(tokenizer.get_vocab()),
+        spelling=spelling_of(tokenizer.backend_tokenizer.to_str())
+        if hasattr(tokenizer, "backend_tokenizer") else None,
     )
     log.info(
         "loaded target %s on %s (%s) in %.1f s", name, dev, torch_dtype, time.perf_counter() - t0

@@ -21,6 +21,7 @@ from cloud_verifier.rounds import RoundResult
 from cloud_verifier.sampling import SamplingParams
 from shared.message_limits import ProtocolCaps
 from shared.pb import verifier_pb2 as pb
+from shared.token_spelling import MAX_CONTINUE_WITH, TokenSpelling
 
 # Probabilities may sum a little above 1 from float32 round-off on the device.
 PROB_SUM_TOLERANCE = 1e-3
@@ -41,6 +42,12 @@ class Limits:
     max_q_support: int = 256  # entries of one q; also bounds the message size limit
     max_stop_token_ids: int = 64
     serves_features: bool = False  # GetInfo has a FeatureCapability
+    # The tokenizer's token bytes: sessions may continue with given bytes (None: they may not).
+    spelling: TokenSpelling | None = None
+
+    @property
+    def max_continue_with(self) -> int:
+        return 0 if self.spelling is None else MAX_CONTINUE_WITH
 
     def caps(self) -> ProtocolCaps:
         return ProtocolCaps(self.vocab_size, self.max_context, self.max_draft_len,
@@ -59,6 +66,7 @@ class OpenParams:
     first_draft: DraftRound | None
     editable: bool = False  # serves many suggestions (rounds only)
     want_feature: bool = False  # each Step carries the target feature (Step.feature)
+    continue_with: bytes = b""  # token healing: the new tokens must begin with these bytes
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class EditParams:
     append: list[int]
     suggestion: int
     max_new_tokens: int
+    continue_with: bytes = b""
 
 
 def _check_token_ids(ids, vocab_size: int, where: str) -> list[int]:
@@ -211,8 +220,31 @@ def parse_open(msg: pb.OpenSession, limits: Limits,
         raise FeaturesUnavailable("open.want_feature: this verifier serves no target features "
                                   "(its GetInfo has no feature capability); draft with an "
                                   "independent draft", field="open.want_feature")
+    continue_with = parse_continue_with(msg.continue_with, limits, "open.continue_with")
+    if continue_with and msg.drafting != ROUNDS:
+        raise InvalidRequest("open.continue_with needs DRAFTING_ROUNDS",
+                             field="open.continue_with")
     return OpenParams(prompt, sampling, int(msg.max_new_tokens), stops, msg.drafting, first,
-                      bool(msg.editable), bool(msg.want_feature))
+                      bool(msg.editable), bool(msg.want_feature), continue_with)
+
+
+def parse_continue_with(value: bytes, limits: Limits, where: str) -> bytes:
+    """The bytes a session's new tokens must begin with (token healing), checked."""
+    value = bytes(value)
+    if not value:
+        return b""
+    if limits.spelling is None:
+        raise InvalidRequest(f"{where}: this verifier's tokenizer does not spell text as "
+                             "bytes (GetInfo max_continue_with is 0); send the text's own "
+                             "tokens instead", field=where)
+    if len(value) > limits.max_continue_with:
+        raise InvalidRequest(f"{where} has {len(value)} bytes; at most "
+                             f"{limits.max_continue_with} are accepted (GetInfo "
+                             "max_continue_with)", field=where)
+    if not limits.spelling.allowed(value).size:
+        raise InvalidRequest(f"{where}: no token of this vocabulary begins to spell these "
+                             "bytes", field=where)
+    return value
 
 
 def parse_edit(msg: pb.Edit, limits: Limits, where: str = "verify.edit") -> EditParams:
@@ -228,7 +260,8 @@ def parse_edit(msg: pb.Edit, limits: Limits, where: str = "verify.edit") -> Edit
                              f"the maximum context is {limits.max_context} including at least "
                              "one new token", field=f"{where}.append_token_ids")
     return EditParams(int(msg.keep_length), append, int(msg.suggestion),
-                      int(msg.max_new_tokens))
+                      int(msg.max_new_tokens),
+                      parse_continue_with(msg.continue_with, limits, f"{where}.continue_with"))
 
 
 def parse_generate(msg: pb.GenerateRequest, limits: Limits,

@@ -135,6 +135,13 @@ class GenerationConfig:
     # After a space or punctuation, where the user looks for the suggestion, it is sent at
     # once (unless settle_ms says otherwise). 0: no such wait.
     word_settle_ms: float = WORD_SETTLE_MS
+    # Documents only: token healing (shared.token_spelling). A text that ends inside a word
+    # or with a space is backed up to the word's start, and the suggestion must begin with
+    # the bytes backed over, so that the target spells the word itself: after "Can we meet "
+    # SmolLM2 suggests "in the" instead of "10 times?". It also lets a suggestion the user
+    # types along stand (edge_client.document: type-through). Needs a byte-level tokenizer
+    # and a verifier that takes continue_with (GetInfo.max_continue_with); off otherwise.
+    heal: bool = True
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:

@@ -39,7 +39,7 @@ from edge_client.connection import (
     lost_connection,
     new_routing_key,
 )
-from edge_client.drafter import Proposal
+from edge_client.drafter import ModelDrafter, Proposal, Spell
 from edge_client.errors import IncompatibleVerifier, VerifierUnavailable
 from edge_client.generation_state import (
     CLOUD,
@@ -59,7 +59,8 @@ from shared.pb import verifier_pb2 as pb
 log = logging.getLogger(__name__)
 
 # Drafts k tokens after the committed ids (k = 0 only resyncs the draft's cache).
-Propose = Callable[[list[int], int], Awaitable[Proposal]]
+# propose(context, k, spell): k drafts after context; spell (token healing) as ModelDrafter's.
+Propose = Callable[[list[int], int, "Spell | None"], Awaitable[Proposal]]
 # How long the core waits for the verifier to end a finished stream before cancelling it.
 _END_GRACE_S = 2.0
 # What a generation does when the verifier is away or too slow: fail (retry, then raise
@@ -338,7 +339,8 @@ async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozen
         if shown and shown[-1] in stop_ids:
             return
         k = min(room, max(1, state.limits.max_draft_len))
-        proposal = _cut_at_stop(await propose(state.committed + shown, k), stop_ids)
+        proposal = _cut_at_stop(await propose(state.committed + shown, k, state.spell(shown)),
+                                stop_ids)
         if not proposal.tokens:
             return
         state.add_unverified(proposal)
@@ -385,7 +387,8 @@ async def _rounds(wire: _Wire, state: GenerationState, propose: Propose,
     try:
         first = state.resync_proposal() if reuse else state.reopen_first()
         if first is None:
-            first = state.worth_sending(await propose(state.committed, state.next_k()))
+            first = state.worth_sending(await propose(state.committed, state.next_k(),
+                                                      state.spell()))
         await io.write(state.verify_message(first) if reuse else state.open_message(first))
         yield await _answer(io, state, first)
         while not state.finished:
@@ -405,7 +408,8 @@ async def _rounds(wire: _Wire, state: GenerationState, propose: Propose,
                 continue
             proposal = state.resync_proposal()
             if proposal is None:
-                proposal = state.worth_sending(await propose(state.committed, state.next_k()))
+                proposal = state.worth_sending(await propose(state.committed, state.next_k(),
+                                                             state.spell()))
             t0 = time.perf_counter()
             await io.write(state.verify_message(proposal))
             yield await _answer(io, state, proposal)
@@ -462,7 +466,7 @@ async def _lookahead(wire: _Wire, state: GenerationState,
                      propose: Propose) -> AsyncIterator[Delivery]:
     """One Session stream in lookahead mode: the verifier decodes back to back; after each
     step the device drafts ahead of what it has and sends that lookahead, without waiting."""
-    first = await propose(state.committed, state.lookahead_len(opening=True))
+    first = await propose(state.committed, state.lookahead_len(opening=True), None)
     call = wire.session()
     outbox, inbox = _Outbox(), asyncio.Queue()
 
@@ -499,7 +503,7 @@ async def _lookahead(wire: _Wire, state: GenerationState,
             await until(at)
             yield wire.deliver(state, reply.step, None, at)
             if not state.finished and (k := state.lookahead_len()):
-                outbox.put(state.lookahead_message(await propose(state.committed, k)))
+                outbox.put(state.lookahead_message(await propose(state.committed, k, None)))
         outbox.put(None)
         with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
             async with asyncio.timeout(_END_GRACE_S):
@@ -542,14 +546,17 @@ def model_proposer(drafter, stats: GenerationStats,
     one proposal at a time."""
     lock = lock or threading.Lock()
 
-    def locked(committed: list[int], k: int) -> Proposal:
-        with lock:
-            return drafter.propose(committed, k)
+    spells = isinstance(drafter, ModelDrafter)  # others are cut by the state (spellable)
 
-    async def propose(committed: list[int], k: int) -> Proposal:
+    def locked(committed: list[int], k: int, spell: Spell | None) -> Proposal:
+        with lock:
+            return drafter.propose(committed, k, spell) if spells and spell is not None \
+                else drafter.propose(committed, k)
+
+    async def propose(committed: list[int], k: int, spell: Spell | None = None) -> Proposal:
         t0 = time.perf_counter()
         try:
-            return await asyncio.to_thread(locked, list(committed), k)
+            return await asyncio.to_thread(locked, list(committed), k, spell)
         finally:
             stats.draft_s += time.perf_counter() - t0
 

@@ -13,6 +13,15 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   message as the suggestion's first drafts. The verifier keeps its KV cache for the n kept
   tokens and the draft its own (``ModelDrafter.resync``), so a keystroke costs forwards over
   the tokens after n, not over the whole text (``SuggestionStats.fed_tokens``).
+- **Token healing and type-through** (``GenerationConfig.heal``, on by default where the
+  tokenizer is byte-level and the verifier takes ``continue_with``). A text that ends inside
+  a word or with a space is backed up to the word's start, and the suggestion must begin
+  with the bytes backed over (``shared.token_spelling``): the target spells the word
+  itself. A key that types along the suggestion shown keeps it: its verified tokens that
+  still spell the new text stand (``stats.reused_tokens``); with enough of them no RPC is
+  sent at all, else the verifier goes on from them. They are exactly what a fresh session
+  over the new text commits, greedy (each was the target's choice under a constraint no
+  stricter than the new one), and a sample of the same law, sampled.
 - **Cancel.** A new ``suggest`` while one is in flight, or ``cancel()`` from any thread,
   stops the one in flight at once: its ``suggest`` *returns* a Suggestion with
   ``cancelled=True`` and the verified tokens it had (it does not raise). The verifier drops
@@ -72,6 +81,7 @@ from edge_client.core import (
 from edge_client.generation_state import ROUNDS, GenerationState
 from edge_client.session_streams import SessionKeeper
 from edge_client.typing_pace import TypingPace
+from shared.token_spelling import TokenSpelling
 
 if TYPE_CHECKING:
     from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
@@ -81,6 +91,7 @@ if TYPE_CHECKING:
 class SuggestionStats:
     target_forwards: int = 0  # forwards whose steps this suggestion committed
     kept_tokens: int = 0  # committed tokens the edit kept (their KV caches were reused)
+    reused_tokens: int = 0  # verified tokens of the last suggestion the typing kept
     fed_tokens: int = 0  # positions the verifier's forwards fed for it (Step.fed_tokens)
     drafted: int = 0
     accepted: int = 0
@@ -132,6 +143,9 @@ class AsyncDocument:
         self._cancelled: asyncio.Task | None = None  # the task cancel() stopped, if any
         self._loop: asyncio.AbstractEventLoop | None = None
         self._offline = False  # the state's limits are the draft's own, not the verifier's
+        # The text (bytes) of the last edit sent: the state's generated tokens spell a
+        # continuation of it (the bar for type-through).
+        self._edited_text = b""
 
     async def __aenter__(self) -> AsyncDocument:
         return self
@@ -188,8 +202,9 @@ class AsyncDocument:
         show the first verified tokens a round or two before the whole suggestion."""
         t0 = time.perf_counter()
         self._loop = asyncio.get_running_loop()
-        ids = (self.client.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str)
-               else list(text_or_ids))
+        tok = self.client.tokenizer
+        ids = tok.encode(text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
+        typed = text_or_ids if isinstance(text_or_ids, str) else tok.decode(ids)
         if not ids:
             raise ValueError("the text is empty; a suggestion needs at least one token")
         if max_new_tokens < 1:
@@ -210,16 +225,28 @@ class AsyncDocument:
         while self._task is not None and not self._task.done():
             self._cancel_now()
             await asyncio.wait([self._task])
+        if call != self._calls:
+            return _nothing(t0)
+        plan = self._plan(ids, max_new_tokens)
+        if plan.whole:  # typed along the suggestion: the rest of it stands, no RPC
+            run = _Run(plan.ctx, max_new_tokens, plan.reused[:max_new_tokens])
+            return self._suggestion(run, False, len(plan.ctx), GenerationStats(), t0, typed,
+                                    len(run.verified))
         if settle_ms and call == self._calls and not await self._settled(settle_ms):
             return _nothing(t0)  # the next key (or cancel()) came first: no work was sent
         online = call == self._calls and await self._reach_verifier()
         if call != self._calls:  # a newer suggest() came while we waited: it goes instead
             return _nothing(t0)
-        state, kept = self._edit(ids, max_new_tokens)
+        plan = self._plan(ids, max_new_tokens)  # again: the wait may have let the state move
+        state, kept = self._edit(plan, max_new_tokens)
         stats = GenerationStats()
-        run = _Run(state)
+        run = _Run(plan.ctx, max_new_tokens, plan.reused, state)
+        reused = len(plan.reused)
         if on_update is not None:
-            run.listener = lambda: on_update(self._suggestion(run, False, kept, stats, t0))
+            run.listener = lambda: on_update(self._suggestion(run, False, kept, stats, t0,
+                                                              typed, reused))
+            if plan.reused:
+                run.listener()
         deadline = None if budget_ms is None else t0 + budget_ms / 1000
         spent = False
         if online:
@@ -238,7 +265,7 @@ class AsyncDocument:
             cancelled = task is self._cancelled
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()
-        return self._suggestion(run, cancelled, kept, stats, t0)
+        return self._suggestion(run, cancelled, kept, stats, t0, typed, reused)
 
     async def _in_flight(self, work, timeout: float | None = None) -> asyncio.Task:
         """Runs ``work`` as the suggestion in flight (what a newer ``suggest`` or
@@ -288,26 +315,62 @@ class AsyncDocument:
             raise task.exception()
         return task is self._cancelled, spent  # cancelled also by a newer suggest()
 
-    def _edit(self, ids: list[int], max_new_tokens: int) -> tuple[GenerationState, int]:
+    def _spelling(self) -> TokenSpelling | None:
+        """The tokenizer's spelling when this document heals its texts, else None."""
+        info = self.client.info
+        if not self.config.heal or (info is not None and info.max_continue_with == 0):
+            return None
+        return self.client.tokenizer.spelling
+
+    def _plan(self, ids: list[int], max_new_tokens: int) -> _Plan:
+        """The healed text, and what of the last suggestion the typing keeps. Changes
+        nothing."""
+        spelling = self._spelling()
+        ctx, rest = spelling.heal(ids) if spelling is not None else (list(ids), b"")
+        info, state = self.client.info, self._state
+        if rest and info is not None and len(rest) > info.max_continue_with:
+            ctx, rest = list(ids), b""
+        reused: list[int] = []
+        # Type-through: the new text (healed) keeps the old text and ends inside the tokens
+        # generated after it, and spells a text that goes on from the one they continue.
+        if spelling is not None and state is not None and len(ctx) >= state.prompt_len \
+                and state.committed[:len(ctx)] == ctx \
+                and spelling.spell(ids).startswith(self._edited_text):
+            tail = state.committed[len(ctx):]
+            n, rest = spelling.advance_all(rest, tail)
+            reused = tail[:n]
+            for i, token in enumerate(reused):
+                if token in self._stop:
+                    reused = reused[:i + 1]
+                    break
+        whole = bool(reused) and not rest and (
+            len(reused) >= max_new_tokens or reused[-1] in self._stop)
+        return _Plan(ctx, rest, reused, whole,
+                     spelling.spell(ids) if spelling is not None else b"")
+
+    def _edit(self, plan: _Plan, max_new_tokens: int) -> tuple[GenerationState, int]:
         """The state for the next suggestion, and how many committed tokens it keeps."""
         cfg, client = self.config, self.client
+        self._edited_text = plan.text
         if self._state is None:
             # A document follows the server's K unless told not to (GenerationConfig).
             follow = cfg.follow_suggested_draft_len is not False
             adaptive = cfg.follow_suggested_draft_len is True
             self._offline = client.info is None
             self._state = GenerationState(
-                ids, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
+                plan.ctx, replace(cfg.session_params(), max_new_tokens=max_new_tokens),
                 client.limits(cfg.draft_len), cfg.draft_len, ROUNDS,
                 follow_suggestion=follow, chooser=client.chooser if adaptive else None,
-                editable=True, want_feature=self._features)
+                editable=True, want_feature=self._features, spelling=self._spelling(),
+                continue_with=plan.rest)
             return self._state, 0
         state = self._state
+        text = plan.ctx + plan.reused
         keep = 0
-        limit = min(len(state.committed), len(ids))
-        while keep < limit and state.committed[keep] == ids[keep]:
+        limit = min(len(state.committed), len(text))
+        while keep < limit and state.committed[keep] == text[keep]:
             keep += 1
-        state.edit(keep, ids[keep:], max_new_tokens)
+        state.edit(keep, text[keep:], max_new_tokens - len(plan.reused), plan.rest)
         return state, keep
 
     async def _run(self, state: GenerationState, stats: GenerationStats, run: _Run) -> None:
@@ -331,17 +394,19 @@ class AsyncDocument:
                 return
 
     def _suggestion(self, run: _Run, cancelled: bool, kept: int, stats: GenerationStats,
-                    t0: float) -> Suggestion:
+                    t0: float, typed: str, reused: int = 0) -> Suggestion:
         tok = self.client.tokenizer
         base = run.base
         verified, unverified = list(run.verified), list(run.unverified)  # run goes on growing
-        text = _tail(tok, base, verified)
+        # After the user's own text: a healed suggestion's first token re-spells its end.
+        whole = tok.decode(base + verified)
+        text = whole[len(typed):] if whole.startswith(typed) else _tail(tok, base, verified)
         unverified_text = _tail(tok, base + verified, unverified)
         network_s = max(0.0, stats.wait_s - stats.verify_s)
         return Suggestion(
             verified, unverified, text, unverified_text, cancelled,
             SuggestionStats(
-                target_forwards=stats.target_forwards, kept_tokens=kept,
+                target_forwards=stats.target_forwards, kept_tokens=kept, reused_tokens=reused,
                 fed_tokens=stats.fed_tokens, drafted=stats.drafted, accepted=stats.accepted,
                 draft_ms=stats.draft_s * 1000, network_ms=network_s * 1000,
                 verify_ms=stats.verify_s * 1000, unverified_tokens=len(unverified),
@@ -349,14 +414,26 @@ class AsyncDocument:
                 reopens=stats.reopens, wall_ms=(time.perf_counter() - t0) * 1000))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A suggestion's text, healed, and what of the last suggestion the typing kept."""
+
+    ctx: list[int]  # the text's tokens, up to the word that is healed
+    rest: bytes  # what the new tokens must still spell after ctx + reused
+    reused: list[int]  # verified tokens after ctx that still stand
+    whole: bool  # they make the whole suggestion: nothing to send
+    text: bytes  # the whole text's bytes (b"" without healing)
+
+
 class _Run:
     """What one suggestion has: verified tokens, then unverified ones."""
 
-    def __init__(self, state: GenerationState) -> None:
+    def __init__(self, base: list[int], max_new_tokens: int, reused: list[int],
+                 state: GenerationState | None = None) -> None:
         self.state = state
-        self.base = list(state.committed)  # the text the suggestion continues
-        self.max_new_tokens = state.params.max_new_tokens
-        self.verified: list[int] = []
+        self.base = list(base)  # the text the suggestion continues (healed)
+        self.max_new_tokens = max_new_tokens
+        self.verified: list[int] = list(reused)
         self.unverified: list[int] = []
         self.listener: Callable[[], None] | None = None
 
@@ -370,7 +447,8 @@ class _Run:
     @property
     def complete(self) -> bool:
         tokens = self.verified + self.unverified
-        return len(tokens) >= self.max_new_tokens or self.state.finished
+        return len(tokens) >= self.max_new_tokens or (
+            self.state is not None and self.state.finished)
 
 
 def _nothing(t0: float) -> Suggestion:

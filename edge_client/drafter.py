@@ -17,6 +17,11 @@ everything since its cache's end in one forward; a round the lookup drafts whole
 model forward. In sampling mode a copied token travels as the point mass it was drawn from,
 q = {token: 1}. The choice per position depends on the context alone, not on what is drawn
 there, so verification stays lossless.
+
+Token healing (``spell``: the tokenizer's spelling and the bytes the new tokens must still
+begin with, ``shared.token_spelling``): while bytes are left to spell, a copy must be
+consistent with them and the model's row is restricted to the consistent tokens before q is
+taken, as the verifier restricts the target's; drafting stops where no drafted column is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ import numpy as np
 
 from edge_client.draft_model import OnnxDraftModel
 from edge_client.sampling import sample, truncated_distribution
+from shared.token_spelling import TokenSpelling
+
+# What a proposal must spell first: the spelling table and the bytes left (b"": nothing).
+Spell = tuple[TokenSpelling, bytes]
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class ModelDrafter:
         self.cache = model.new_cache()
         self._fed: list[int] = []  # the tokens whose keys/values the cache holds
         self.forward_calls = 0
+        self._columns: dict[bytes, np.ndarray] = {}  # rest -> drafted columns allowed
 
     def resync(self, committed: list[int]) -> int:
         """Explicit rollback: crop to the prefix shared with ``committed[:-1]``."""
@@ -93,11 +103,13 @@ class ModelDrafter:
             del self._fed[keep:]
         return keep
 
-    def propose(self, committed: list[int], k: int) -> Proposal:
-        """Drafts k tokens after ``committed`` (k = 0 only resyncs)."""
+    def propose(self, committed: list[int], k: int, spell: Spell | None = None) -> Proposal:
+        """Drafts k tokens after ``committed`` (k = 0 only resyncs); with ``spell``, tokens
+        that begin to spell its bytes (fewer, if the draft has none)."""
         self.resync(committed)
         if k == 0:
             return Proposal([], None)
+        spelling, rest = spell if spell is not None else (None, b"")
         context = list(committed)  # committed + the drafts so far
         tokens: list[int] = []
         q: list[tuple[np.ndarray, np.ndarray]] = []
@@ -108,6 +120,8 @@ class ModelDrafter:
             if tokens and joint < s.stop_confidence:
                 break
             hit = self.lookup(context) if self.lookup is not None else None
+            if hit is not None and rest and spelling.advance(rest, hit[0]) is None:
+                hit = None
             if hit is not None:
                 token, sure = hit
                 q.append((np.array([token], dtype=np.int64), _POINT_MASS))
@@ -115,6 +129,11 @@ class ModelDrafter:
                 # The cache holds a prefix of context, never all of it: resync keeps it short
                 # of the last committed token, and each draft joins context before it is fed.
                 logits, vocab = self._feed(context[len(self._fed):])
+                if rest:
+                    allowed = self._allowed_columns(spelling, rest, vocab)
+                    if not allowed.any():
+                        break
+                    logits = np.where(allowed, logits, -np.inf)
                 if s.is_greedy:
                     token = int(vocab[np.argmax(logits)])
                     sure = top_probability(logits)
@@ -129,9 +148,22 @@ class ModelDrafter:
             joint *= sure
             tokens.append(token)
             context.append(token)
+            if rest:
+                rest = spelling.advance(rest, token)
         if s.is_greedy:
             return Proposal(tokens, None, confidence)
         return Proposal(tokens, q)
+
+    def _allowed_columns(self, spelling: TokenSpelling, rest: bytes,
+                         vocab: np.ndarray) -> np.ndarray:
+        """Which of the draft's columns (full ids ``vocab``) are consistent with ``rest``."""
+        mask = self._columns.get(rest)
+        if mask is None:
+            mask = np.isin(vocab, spelling.allowed(rest))
+            if len(self._columns) >= 256:
+                self._columns.clear()
+            self._columns[rest] = mask
+        return mask
 
     def _feed(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Feeds ``tokens``; the last row of logits over the draft's own vocabulary and the

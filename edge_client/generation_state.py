@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from edge_client.drafter import Proposal
+from edge_client.drafter import Proposal, Spell
 from edge_client.errors import EdgeError
 from edge_client.feature_drafter import LatestFeature
 from edge_client.rate_chooser import CONTINUE, RateChooser
 from shared.draft_length import worth_verifying
 from shared.feature_codec import EncodedFeature
 from shared.pb import verifier_pb2 as pb
+from shared.token_spelling import TokenSpelling
 
 ROUNDS = "rounds"
 LOOKAHEAD = "lookahead"
@@ -94,7 +95,8 @@ class GenerationState:
     def __init__(self, prompt_ids: list[int], params: SessionParams, limits: ServerLimits,
                  draft_len: int, protocol: str = ROUNDS, follow_suggestion: bool = False,
                  chooser: RateChooser | None = None, editable: bool = False,
-                 want_feature: bool = False) -> None:
+                 want_feature: bool = False, spelling: TokenSpelling | None = None,
+                 continue_with: bytes = b"") -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if draft_len < 0:
@@ -144,6 +146,35 @@ class GenerationState:
         # before its position stays as it was.
         self.want_feature = want_feature
         self.feature: LatestFeature | None = None
+        # Token healing (shared.token_spelling): the bytes the new tokens must still begin
+        # with, advanced as they commit; sent with every open and edit.
+        self.spelling = spelling
+        self.continue_with = b""
+        self._set_continue_with(continue_with)
+
+    def _set_continue_with(self, value: bytes) -> None:
+        if value and self.spelling is None:
+            raise ValueError("continue_with needs the tokenizer's spelling table")
+        if value and self.protocol != ROUNDS:
+            raise ValueError("continue_with needs the rounds protocol")
+        self.continue_with = bytes(value)
+
+    def spell(self, after: list[int] = ()) -> Spell | None:
+        """What the next drafts must spell, after ``after`` (tokens past the committed ones);
+        None when nothing is left to spell."""
+        if not self.continue_with:
+            return None
+        _, rest = self.spelling.advance_all(self.continue_with, after)
+        return (self.spelling, rest) if rest else None
+
+    def spellable(self, proposal: Proposal, after: list[int] = ()) -> Proposal:
+        """The drafts of ``proposal`` (made after ``committed + after``) up to the first that
+        cannot spell what is left: later ones could never be accepted."""
+        spell = self.spell(after)
+        if spell is None:
+            return proposal
+        n, _ = spell[0].advance_all(spell[1], proposal.tokens)
+        return proposal if n == len(proposal.tokens) else proposal.prefix(n)
 
     @property
     def generated(self) -> list[int]:
@@ -175,6 +206,7 @@ class GenerationState:
         """The drafts of ``proposal`` to send in a round: with confidences and the server's
         draft_token_cost, the prefix worth verifying (shared.draft_length), else all."""
         self.confident = proposal.confidence is not None
+        proposal = self.spellable(proposal)
         if not self.cut_by_cost:
             return proposal
         return proposal.prefix(worth_verifying(proposal.confidence, self.token_cost))
@@ -197,7 +229,7 @@ class GenerationState:
             max_new_tokens=self.remaining, stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, drafting=_DRAFTING[self.protocol],
             first_draft=draft_to_pb(first, confidence=not rounds), editable=self.editable,
-            want_feature=self.want_feature))
+            want_feature=self.want_feature, continue_with=self.continue_with))
 
     def reopen_first(self) -> Proposal | None:
         """The draft a reopen sends first: the unverified tokens drafted during an outage, or
@@ -220,7 +252,10 @@ class GenerationState:
                    - self.num_unverified)
 
     def add_unverified(self, proposal: Proposal) -> None:
-        """Appends drafts made after ``committed`` + the unverified tokens so far."""
+        """Appends drafts made after ``committed`` + the unverified tokens so far (up to the
+        first that cannot spell what is left of ``continue_with``)."""
+        proposal = self.spellable(proposal, [] if self.unverified is None
+                                  else self.unverified.tokens)
         if not proposal.tokens:
             return
         u = self.unverified
@@ -267,10 +302,12 @@ class GenerationState:
 
     # -- editing sessions -----------------------------------------------------------------
 
-    def edit(self, keep: int, append: list[int], max_new_tokens: int) -> None:
+    def edit(self, keep: int, append: list[int], max_new_tokens: int,
+             continue_with: bytes = b"") -> None:
         """Starts the next suggestion over ``committed[:keep] + append``, at most
-        ``max_new_tokens`` long. Applied here at once; the verifier applies the same edit
-        when the suggestion's first round reaches it, keeping its KV cache up to ``keep``."""
+        ``max_new_tokens`` long, its text beginning with ``continue_with`` (token healing).
+        Applied here at once; the verifier applies the same edit when the suggestion's first
+        round reaches it, keeping its KV cache up to ``keep``."""
         if not self.editable:
             raise ValueError("not an editable session")
         if not 0 <= keep <= len(self.committed) or keep + len(append) < 1:
@@ -278,13 +315,17 @@ class GenerationState:
                              f"{len(append)}: the text would be out of range or empty")
         if any(not 0 <= t < self.limits.vocab_size for t in append):
             raise ValueError("an appended token id is outside the vocabulary")
+        self._set_continue_with(continue_with)
         self.params = replace(self.params, max_new_tokens=max_new_tokens)
         # Unverified tokens the user kept (typed or accepted) are now text; the rest of them
-        # still waits to be verified, first, if the text did not change otherwise.
+        # still waits to be verified, first, if the text did not change otherwise (and can
+        # spell what the new text must continue with).
         u, self.unverified = self.unverified, None
         if u is not None and keep == len(self.committed) \
                 and append == u.tokens[:len(append)] and len(append) < len(u.tokens):
-            self.unverified = _suffix(u, len(append))
+            self.unverified = self.spellable(_suffix(u, len(append)))
+            if not self.unverified.tokens:
+                self.unverified = None
         self.committed[keep:] = append
         if self.feature is not None and self.feature.position > keep:
             self.feature = None  # it read text that is gone
@@ -300,7 +341,8 @@ class GenerationState:
         self.finished = False
         self.pending = None
         self.pending_edit = pb.Edit(keep_length=keep, append_token_ids=append,
-                                    suggestion=self.suggestion, max_new_tokens=max_new_tokens)
+                                    suggestion=self.suggestion, max_new_tokens=max_new_tokens,
+                                    continue_with=self.continue_with)
 
     def cancel_message(self) -> pb.SessionRequest:
         """Stops the suggestion in flight on the verifier; the next one starts with an edit."""
@@ -376,6 +418,11 @@ class GenerationState:
                     or new[:n] != proposal.tokens[:len(new)][:n]:
                 raise ProtocolError(f"step accepts {new[:n]} of {step.num_drafted} drafts, "
                                     f"the client sent {proposal.tokens}")
+        spelled, rest = (len(new), b"") if not self.continue_with else \
+            self.spelling.advance_all(self.continue_with, new)
+        if spelled < len(new):
+            raise ProtocolError(f"step commits {new}, which does not begin to spell "
+                                f"{self.continue_with!r} as the session asked")
         if len(self.committed) + len(new) != step.committed_length:
             raise ProtocolError(f"step says committed length {step.committed_length}, "
                                 f"the client has {len(self.committed)} + {len(new)}")
@@ -390,6 +437,7 @@ class GenerationState:
             self.pending = None
         self.pending_edit = None  # a step of this suggestion: the verifier has its edit
         self.committed.extend(new)
+        self.continue_with = rest
         self._settle_unverified(new)
         self.finished = step.finished
         self.suggested = (step.suggested_draft_len if step.HasField("suggested_draft_len")

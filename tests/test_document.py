@@ -507,7 +507,7 @@ def test_generate_draft_only_through_an_outage(target, tiny_llama_pair):
         calls = 0
         held = {"verifier": verifier}
 
-        async def propose(committed, k):
+        async def propose(committed, k, spell=None):
             nonlocal calls
             calls += 1
             if calls == 3:  # the outage starts
@@ -515,7 +515,7 @@ def test_generate_draft_only_through_an_outage(target, tiny_llama_pair):
             if calls == 4:  # and ends while the draft goes on alone
                 held["verifier"] = await asyncio.to_thread(
                     EmbeddedVerifier(target, config).__enter__)
-            return await drafted(committed, k)
+            return await drafted(committed, k, spell)
 
         state = GenerationState(PROMPT, SessionParams(max_new_tokens=n, ignore_eos=True),
                                 ServerLimits.from_info(info), draft_len=3)

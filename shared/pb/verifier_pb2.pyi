@@ -48,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids", "max_q_support", "max_stop_token_ids", "feature")
+    __slots__ = ("protocol_version", "target_model", "vocab_size", "tokenizer_fingerprint", "max_draft_len", "max_context", "modes", "eos_token_ids", "max_q_support", "max_stop_token_ids", "feature", "max_continue_with")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class GetInfoResponse(_message.Message):
     MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
     MAX_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTINUE_WITH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: str
     target_model: str
     vocab_size: int
@@ -71,7 +72,8 @@ class GetInfoResponse(_message.Message):
     max_q_support: int
     max_stop_token_ids: int
     feature: FeatureCapability
-    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_q_support: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., feature: _Optional[_Union[FeatureCapability, _Mapping]] = ...) -> None: ...
+    max_continue_with: int
+    def __init__(self, protocol_version: _Optional[str] = ..., target_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_len: _Optional[int] = ..., max_context: _Optional[int] = ..., modes: _Optional[_Iterable[str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_q_support: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., feature: _Optional[_Union[FeatureCapability, _Mapping]] = ..., max_continue_with: _Optional[int] = ...) -> None: ...
 
 class FeatureCapability(_message.Message):
     __slots__ = ("layer", "hidden_size", "codec", "group_size", "target_fingerprint")
@@ -118,7 +120,7 @@ class Draft(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., confidence: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft", "editable", "want_feature")
+    __slots__ = ("prompt_token_ids", "sampling", "max_new_tokens", "stop_token_ids", "ignore_eos", "drafting", "first_draft", "editable", "want_feature", "continue_with")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +130,7 @@ class OpenSession(_message.Message):
     FIRST_DRAFT_FIELD_NUMBER: _ClassVar[int]
     EDITABLE_FIELD_NUMBER: _ClassVar[int]
     WANT_FEATURE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_WITH_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     max_new_tokens: int
@@ -137,19 +140,22 @@ class OpenSession(_message.Message):
     first_draft: Draft
     editable: bool
     want_feature: bool
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ..., editable: _Optional[bool] = ..., want_feature: _Optional[bool] = ...) -> None: ...
+    continue_with: bytes
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., drafting: _Optional[_Union[Drafting, str]] = ..., first_draft: _Optional[_Union[Draft, _Mapping]] = ..., editable: _Optional[bool] = ..., want_feature: _Optional[bool] = ..., continue_with: _Optional[bytes] = ...) -> None: ...
 
 class Edit(_message.Message):
-    __slots__ = ("keep_length", "append_token_ids", "suggestion", "max_new_tokens")
+    __slots__ = ("keep_length", "append_token_ids", "suggestion", "max_new_tokens", "continue_with")
     KEEP_LENGTH_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SUGGESTION_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_WITH_FIELD_NUMBER: _ClassVar[int]
     keep_length: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     suggestion: int
     max_new_tokens: int
-    def __init__(self, keep_length: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., suggestion: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    continue_with: bytes
+    def __init__(self, keep_length: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., suggestion: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., continue_with: _Optional[bytes] = ...) -> None: ...
 
 class VerifyRound(_message.Message):
     __slots__ = ("round", "draft", "edit")

@@ -58,7 +58,8 @@ class DraftSource:
             self.misses += 1
             return await from_model(committed, k)
 
-        async def propose(committed: list[int], k: int) -> Proposal:
+        async def propose(committed: list[int], k: int, spell=None) -> Proposal:
+            # The fleet's workloads open no session that must spell given bytes.
             proposal = await lookup_or_draft(committed, k)
             return proposal if self.confidence else Proposal(proposal.tokens, proposal.q)
 

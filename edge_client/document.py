@@ -228,10 +228,14 @@ class AsyncDocument:
         if call != self._calls:
             return _nothing(t0)
         plan = self._plan(ids, max_new_tokens)
-        if plan.whole:  # typed along the suggestion: the rest of it stands, no RPC
+        if plan.reused:  # typed along the suggestion: the rest of it stands
             run = _Run(plan.ctx, max_new_tokens, plan.reused[:max_new_tokens])
-            return self._suggestion(run, False, len(plan.ctx), GenerationStats(), t0, typed,
+            kept = self._suggestion(run, False, len(plan.ctx), GenerationStats(), t0, typed,
                                     len(run.verified))
+            if plan.whole:  # and is the whole suggestion: no RPC
+                return kept
+            if on_update is not None:  # shown at once, before any wait
+                on_update(kept)
         if settle_ms and call == self._calls and not await self._settled(settle_ms):
             return _nothing(t0)  # the next key (or cancel()) came first: no work was sent
         online = call == self._calls and await self._reach_verifier()
@@ -336,17 +340,37 @@ class AsyncDocument:
         if spelling is not None and state is not None and len(ctx) >= state.prompt_len \
                 and state.committed[:len(ctx)] == ctx \
                 and spelling.spell(ids).startswith(self._edited_text):
-            tail = state.committed[len(ctx):]
-            n, rest = spelling.advance_all(rest, tail)
-            reused = tail[:n]
-            for i, token in enumerate(reused):
-                if token in self._stop:
-                    reused = reused[:i + 1]
-                    break
-        whole = bool(reused) and not rest and (
-            len(reused) >= max_new_tokens or reused[-1] in self._stop)
+            reused, rest = self._typed_through(spelling, state, ctx, rest, max_new_tokens)
+        whole = bool(reused) and (len(reused) >= max_new_tokens or reused[-1] in self._stop)
         return _Plan(ctx, rest, reused, whole,
                      spelling.spell(ids) if spelling is not None else b"")
+
+    def _typed_through(self, spelling: TokenSpelling, state: GenerationState,
+                       ctx: list[int], rest: bytes, max_new_tokens: int
+                       ) -> tuple[list[int], bytes]:
+        """The generated tokens after ``ctx`` that a fresh session over the new text (``ctx``
+        and ``rest`` to spell) would commit too, and what they leave to spell. Each was the
+        target's choice among the tokens its own suggestion allowed (``old``); it stands
+        while it is allowed now and the new allowed set is inside the old one
+        (``TokenSpelling.narrows``): the argmax of a set is the argmax of any subset that
+        holds it, and a sample drawn from a set, kept when it falls in a subset, is a draw
+        from that subset."""
+        spelled = spelling.spell(state.committed[:state.prompt_len])
+        old = self._edited_text[len(spelled):] if self._edited_text.startswith(spelled) \
+            else b""
+        for token in state.committed[state.prompt_len:len(ctx)]:
+            old = spelling.advance(old, token) or b""
+        reused: list[int] = []
+        for token in state.committed[len(ctx):]:
+            after = spelling.advance(rest, token)
+            if len(reused) == max_new_tokens or after is None \
+                    or not spelling.narrows(old, rest):
+                break
+            reused.append(token)
+            rest, old = after, spelling.advance(old, token) or b""
+            if token in self._stop:
+                break
+        return reused, rest
 
     def _edit(self, plan: _Plan, max_new_tokens: int) -> tuple[GenerationState, int]:
         """The state for the next suggestion, and how many committed tokens it keeps."""

@@ -68,10 +68,11 @@ class TokenSpelling:
         self._cache: dict[bytes, np.ndarray] = {}
 
     def token_bytes(self, token: int) -> bytes:
-        return self._bytes[token]
+        """The token's bytes; b"" for a special token or an id outside the table."""
+        return self._bytes[token] if 0 <= token < self.vocab_size else b""
 
     def spell(self, ids: Sequence[int]) -> bytes:
-        return b"".join(self._bytes[i] for i in ids)
+        return b"".join(self.token_bytes(i) for i in ids)
 
     def _completions(self, rest: bytes) -> tuple[int, int]:
         """The range of ``_sorted`` whose tokens start with ``rest``."""
@@ -102,7 +103,7 @@ class TokenSpelling:
         is not consistent with it. Any token is consistent with an empty rest."""
         if not rest:
             return b""
-        b = self._bytes[token] if 0 <= token < self.vocab_size else b""
+        b = self.token_bytes(token)
         if not b:
             return None
         if b.startswith(rest):
@@ -111,6 +112,18 @@ class TokenSpelling:
             lo, hi = self._completions(rest)
             return rest[len(b):] if hi == lo else None
         return None
+
+    def narrows(self, old: bytes, new: bytes) -> bool:
+        """Whether every token consistent with ``new`` is consistent with ``old``, for an
+        ``old`` that is a prefix of ``new`` (the same text, typed further). True when
+        ``old`` is empty, equal, or ``new`` has a token that completes it (then so does
+        ``old``, and anything starting with ``new`` starts with ``old``). Otherwise ``new``
+        allows parts that ``old`` (which some token completes, or whose parts are fewer)
+        does not."""
+        if not old or old == new:
+            return True
+        lo, hi = self._completions(new)
+        return hi > lo
 
     def advance_all(self, rest: bytes, tokens: Sequence[int]) -> tuple[int, bytes]:
         """How many of ``tokens`` are consistent with ``rest`` in turn, and what they leave."""
@@ -130,7 +143,7 @@ class TokenSpelling:
         ids = list(ids)
         cut = len(ids)
         while cut > 1:
-            piece = self._bytes[ids[cut - 1]]
+            piece = self.token_bytes(ids[cut - 1])
             if not piece:
                 break
             cut -= 1

@@ -3,6 +3,8 @@ left of a text, how a text is backed up, and the table of the shipped tokenizer.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,19 @@ def test_completion_ranges_include_bytes_above_the_rest(rest):
     want = {i for i, b in enumerate(sp._bytes) if b.startswith(rest)}
     assert got == want
     assert isinstance(sp.allowed(rest), np.ndarray)
+
+
+def test_narrows_only_when_the_new_allowed_set_is_inside_the_old():
+    """Type-through keeps a token only where ``narrows`` holds: it must never hold where
+    the new rest allows a token the old one did not (checked on every pair of these rests
+    that types further), and it holds in the common cases."""
+    sp = toy()
+    rests = [b"", b" ", b" t", b" to", b" tom", b" tomo", b" tomorrow", b"o", b"or", b"orrowx"]
+    for old, new in itertools.product(rests, rests):
+        if new.startswith(old) and sp.narrows(old, new):
+            assert not old or set(sp.allowed(new).tolist()) <= set(sp.allowed(old).tolist())
+    # " tomo" is completed (by " tomorrow"). "orrowx" is not, so narrows refuses it: a rest
+    # with no completion allows its parts, which the shorter rest may not (here both happen
+    # to allow only "o": narrows is sufficient, not exact).
+    assert sp.narrows(b"", b"x") and sp.narrows(b" to", b" tomo")
+    assert not sp.narrows(b"or", b"orrowx")

@@ -59,6 +59,7 @@ class KeyRecord:
     target_forwards: int = 0  # as the client saw them
     fed_tokens: int | None = None  # tokens the target's forwards computed (edit sessions)
     kept_tokens: int | None = None  # committed tokens the edit kept (edit sessions)
+    reused_tokens: int = 0  # verified tokens of the last suggestion the key kept (type-through)
     replaced_tokens: int = 0  # earlier unverified tokens the verifier replaced (edit sessions)
     drafted: int = 0
     accepted: int = 0
@@ -191,6 +192,7 @@ class EditMode(Mode):
         record.target_forwards = st.target_forwards
         record.fed_tokens = st.fed_tokens
         record.kept_tokens = st.kept_tokens
+        record.reused_tokens = st.reused_tokens
         record.replaced_tokens = st.replaced_tokens
         record.reopens = st.reopens
         record.drafted, record.accepted = st.drafted, st.accepted
@@ -219,7 +221,8 @@ class EditMode(Mode):
 
 def generation_config(mode: str, draft_len: int, fallback: bool,
                       follow_suggested_k: bool = True, settle_ms: float = 0.0,
-                      word_settle_ms: float | None = None) -> GenerationConfig:
+                      word_settle_ms: float | None = None,
+                      heal: bool = True) -> GenerationConfig:
     """Greedy suggestions (an IME shows the target's most likely continuation). Edit
     sessions fall back to the draft alone when the verifier is away, if asked to, and
     follow the verifier's suggested K unless told not to (then they draft K every round,
@@ -231,7 +234,7 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
         word_settle_ms = GenerationConfig.word_settle_ms if mode == "edit" else 0.0
     config = GenerationConfig(max_new_tokens=12, draft_len=draft_len,
                               follow_suggested_draft_len=None if follow_suggested_k else False,
-                              settle_ms=settle_ms, word_settle_ms=word_settle_ms)
+                              settle_ms=settle_ms, word_settle_ms=word_settle_ms, heal=heal)
     if mode == "edit" and fallback:
         config = replace(config, fallback="draft-only")
     return config
@@ -240,9 +243,10 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
 def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
               intra_op_threads: int | None, follow_suggested_k: bool = True,
-              settle_ms: float = 0.0, word_settle_ms: float | None = None) -> Mode:
+              settle_ms: float = 0.0, word_settle_ms: float | None = None,
+              heal: bool = True) -> Mode:
     config = generation_config(name, draft_len, fallback, follow_suggested_k, settle_ms,
-                               word_settle_ms)
+                               word_settle_ms, heal)
     # The client's fallback too: a typist whose verifier is down at the start still gets
     # (unverified) suggestions.
     client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,

@@ -93,6 +93,11 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
         "kept_tokens_per_keystroke": _mean([r.kept_tokens for r in records
                                             if r.kept_tokens is not None]),
         "client_fed_tokens_per_keystroke": per_key(sum(fed)) if fed else None,
+        # Edit sessions: keys whose suggestion kept verified tokens of the last one
+        # (type-through), and those that needed no RPC at all.
+        "typed_through_keys": sum(r.reused_tokens > 0 for r in records),
+        "typed_through_no_rpc": sum(r.reused_tokens > 0 and r.target_forwards == 0
+                                    and r.full_ms is not None for r in records),
         "acceptance": round(accepted / drafted, 4) if drafted else None,
         "cancelled": {
             "suggestions": len(cancelled),

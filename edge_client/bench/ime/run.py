@@ -58,6 +58,7 @@ class ImeConfig:
     # After a key inside a word, every mode waits this long (None: edit sessions the
     # product's default, GenerationConfig.word_settle_ms; reopen and cloud-only none).
     word_settle_ms: float | None = None
+    heal: bool = True  # edit sessions: token healing and type-through (GenerationConfig.heal)
     drill: bool = True
     drill_modes: tuple[str, ...] | None = None  # the modes the drill runs for (None: all)
     outage_after_s: float = 3.0
@@ -219,7 +220,8 @@ async def run_ime(verifier: VerifierHandle, draft_dir: Path | None, cfg: ImeConf
             link = NetEmLink(NetEm(profile(cfg.profile), np.random.default_rng([cfg.seed, i])))
             mode = make_mode(name, verifier.address, draft_dir, link, retry, cfg.draft_len,
                              cfg.fallback, cfg.budget_ms, cfg.draft_threads,
-                             cfg.follow_suggested_k, cfg.settle_ms, cfg.word_settle_ms)
+                             cfg.follow_suggested_k, cfg.settle_ms, cfg.word_settle_ms,
+                             cfg.heal)
             modes.append(mode)
             await mode.client.connect()
         for mode in modes:

@@ -173,3 +173,21 @@ def test_type_through_counts_exact_and_first_character_matches():
     off = count_type_through(["axc"], encode, decode, suggest)
     assert (off.keys, off.exact, off.first_char) == (2, 0, 0)
     assert off.rates()["exact_rate"] == 0.0
+
+
+def test_suggestion_hits_count_the_next_character_and_the_whole_word():
+    """A suggester that knows the message: every key is a hit both ways; one that always
+    says " the": a first-character hit only before a space it predicts, a word hit only
+    where the next word is "the"."""
+    from edge_client.bench.ime.type_through import count_hits, next_word
+
+    message = "go to the park"
+    assert next_word(message, 2) == " to" and next_word(message, 4) == "o"
+    assert next_word(message, len(message) - 1) == "k"
+    oracle = count_hits([message], lambda text: message[len(text):])
+    assert oracle.keys == len(message) - 1 == oracle.first_char
+    assert oracle.word == oracle.keys  # every key: the rest of its word, spelled exactly
+    the = count_hits([message], lambda text: " the")
+    assert the.word == 1  # only after "go to": the next word is " the"
+    assert the.first_char == 3  # the keys before a space: "go", "go to", "go to the"
+    assert the.rates()["word_rate"] == round(1 / the.keys, 4)

@@ -249,6 +249,8 @@ class VerifierEngine:
                        logits: torch.Tensor) -> None:
         """Restricts the rows of sessions that must still spell bytes (in place; the forward
         made the logits under inference mode, which alone may write them)."""
+        if not any(session.continue_with for session, _ in rounds):
+            return
         with torch.inference_mode():
             self._mask_rows(rounds, logits)
 

@@ -20,8 +20,9 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   itself. A key that types along the suggestion shown keeps it: its verified tokens that
   still spell the new text stand (``stats.reused_tokens``); with enough of them no RPC is
   sent at all, else the verifier goes on from them. They are exactly what a fresh session
-  over the new text commits, greedy (each was the target's choice under a constraint no
-  stricter than the new one), and a sample of the same law, sampled.
+  over the new text commits, greedy (each was the target's choice among a set of tokens
+  that holds the new allowed set: ``TokenSpelling.narrows``), and a sample of the same law,
+  sampled (argued in docs/protocol.md; the tests check greedy).
 - **Cancel.** A new ``suggest`` while one is in flight, or ``cancel()`` from any thread,
   stops the one in flight at once: its ``suggest`` *returns* a Suggestion with
   ``cancelled=True`` and the verified tokens it had (it does not raise). The verifier drops
@@ -335,15 +336,14 @@ class AsyncDocument:
         if rest and info is not None and len(rest) > info.max_continue_with:
             ctx, rest = list(ids), b""
         reused: list[int] = []
+        text = spelling.spell(ids) if spelling is not None else b""
         # Type-through: the new text (healed) keeps the old text and ends inside the tokens
         # generated after it, and spells a text that goes on from the one they continue.
         if spelling is not None and state is not None and len(ctx) >= state.prompt_len \
-                and state.committed[:len(ctx)] == ctx \
-                and spelling.spell(ids).startswith(self._edited_text):
+                and state.committed[:len(ctx)] == ctx and text.startswith(self._edited_text):
             reused, rest = self._typed_through(spelling, state, ctx, rest, max_new_tokens)
         whole = bool(reused) and (len(reused) >= max_new_tokens or reused[-1] in self._stop)
-        return _Plan(ctx, rest, reused, whole,
-                     spelling.spell(ids) if spelling is not None else b"")
+        return _Plan(ctx, rest, reused, whole, text)
 
     def _typed_through(self, spelling: TokenSpelling, state: GenerationState,
                        ctx: list[int], rest: bytes, max_new_tokens: int

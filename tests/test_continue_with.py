@@ -34,19 +34,20 @@ def toy_spelling(vocab: int = 96) -> TokenSpelling:
 SPELLING = toy_spelling()
 
 
-def masked_reference(model, prompt: list[int], rest: bytes, n: int) -> list[int]:
+def masked_reference(model, prompt: list[int], rest: bytes, n: int,
+                     spelling: TokenSpelling = SPELLING) -> list[int]:
     """The target's greedy tokens, one plain forward each, with the mask applied by hand."""
     ids = list(prompt)
     for _ in range(n):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1].clone()
         if rest:
-            allowed = torch.from_numpy(SPELLING.allowed(rest))
+            allowed = torch.from_numpy(spelling.allowed(rest))
             keep = logits[allowed]
             logits[:] = float("-inf")
             logits[allowed] = keep
         token = int(logits.argmax())
-        rest = SPELLING.advance(rest, token) if rest else b""
+        rest = spelling.advance(rest, token) if rest else b""
         ids.append(token)
     return ids[len(prompt):]
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_continue_with import masked_reference
 from test_editing import one_torch_thread  # noqa: F401 - autouse
 
 from cloud_verifier.config import VerifierConfig
@@ -35,22 +36,10 @@ TOY = toy_spelling()
 
 
 def masked_greedy(model, spelling: TokenSpelling, ids: list[int], n: int) -> list[int]:
-    """The target's greedy tokens after ``ids`` healed: one plain forward each, the mask
-    applied by hand."""
+    """The target's greedy tokens after ``ids`` healed (tests/test_continue_with.py's
+    step-by-step reference)."""
     ctx, rest = spelling.heal(ids)
-    out = list(ctx)
-    for _ in range(n):
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([out])).logits[0, -1].clone()
-        if rest:
-            allowed = torch.from_numpy(spelling.allowed(rest))
-            masked = torch.full_like(logits, float("-inf"))
-            masked[allowed] = logits[allowed]
-            logits = masked
-        token = int(logits.argmax())
-        rest = spelling.advance(rest, token) if rest else b""
-        out.append(token)
-    return out[len(ctx):]
+    return masked_reference(model, ctx, rest, n, spelling)
 
 
 @pytest.fixture(scope="module")

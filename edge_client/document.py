@@ -22,7 +22,8 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   sent at all, else the verifier goes on from them. They are exactly what a fresh session
   over the new text commits, greedy (each was the target's choice among a set of tokens
   that holds the new allowed set: ``TokenSpelling.narrows``), and a sample of the same law,
-  sampled (argued in docs/protocol.md; the tests check greedy).
+  sampled without top-k or top-p (with them nothing is kept: a draw from the old set's
+  head is not one from the new set's head; tests/test_type_through_law.py).
 - **Cancel.** A new ``suggest`` while one is in flight, or ``cancel()`` from any thread,
   stops the one in flight at once: its ``suggest`` *returns* a Suggestion with
   ``cancelled=True`` and the verified tokens it had (it does not raise). The verifier drops
@@ -339,11 +340,22 @@ class AsyncDocument:
         text = spelling.spell(ids) if spelling is not None else b""
         # Type-through: the new text (healed) keeps the old text and ends inside the tokens
         # generated after it, and spells a text that goes on from the one they continue.
-        if spelling is not None and state is not None and len(ctx) >= state.prompt_len \
+        if spelling is not None and state is not None and self._draws_stand \
+                and len(ctx) >= state.prompt_len \
                 and state.committed[:len(ctx)] == ctx and text.startswith(self._edited_text):
             reused, rest = self._typed_through(spelling, state, ctx, rest, max_new_tokens)
         whole = bool(reused) and (len(reused) >= max_new_tokens or reused[-1] in self._stop)
         return _Plan(ctx, rest, reused, whole, text)
+
+    @property
+    def _draws_stand(self) -> bool:
+        """Whether a token drawn under the old text's mask is a draw under the new one when
+        the new allowed set lies inside the old: greedy, or sampling without truncation. With
+        top-k or top-p the old draw came from the old set's head, not the new set's (a token
+        the new set would keep may have been cut), so nothing is kept
+        (tests/test_type_through_law.py measures the difference)."""
+        cfg = self.config
+        return cfg.temperature == 0 or (cfg.top_k == 0 and cfg.top_p >= 1)
 
     def _typed_through(self, spelling: TokenSpelling, state: GenerationState,
                        ctx: list[int], rest: bytes, max_new_tokens: int

@@ -142,6 +142,12 @@ class GenerationConfig:
     # types along stand (edge_client.document: type-through). Needs a byte-level tokenizer
     # and a verifier that takes continue_with (GetInfo.max_continue_with); off otherwise.
     heal: bool = True
+    # Documents only: while a suggestion waits for the typing to settle, on_update is first
+    # given the draft's own continuation (Suggestion.preview, its tokens unverified): a key
+    # inside a word gets a suggestion at once, with no RPC and no forward, and the verified
+    # suggestion replaces it if the typing settles. Greedy documents drafting with the ONNX
+    # model only.
+    preview: bool = True
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:

@@ -331,7 +331,7 @@ async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozen
     until the generation's room is used or it proposes a stop token."""
     lost, state.pending = state.pending, None
     if lost is not None and lost.tokens and state.unverified is None:
-        state.add_unverified(_cut_at_stop(lost, stop_ids))
+        state.add_unverified(cut_at_stop(lost, stop_ids))
         stats.drafted_alone += len(state.unverified.tokens)
         yield unverified_delivery(state.unverified.tokens)
     while (room := state.unverified_room()) > 0:
@@ -339,7 +339,7 @@ async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozen
         if shown and shown[-1] in stop_ids:
             return
         k = min(room, max(1, state.limits.max_draft_len))
-        proposal = _cut_at_stop(await propose(state.committed + shown, k, state.spell(shown)),
+        proposal = cut_at_stop(await propose(state.committed + shown, k, state.spell(shown)),
                                 stop_ids)
         if not proposal.tokens:
             return
@@ -348,7 +348,8 @@ async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozen
         yield unverified_delivery(proposal.tokens)
 
 
-def _cut_at_stop(proposal: Proposal, stop_ids: frozenset[int]) -> Proposal:
+def cut_at_stop(proposal: Proposal, stop_ids: frozenset[int]) -> Proposal:
+    """The proposal up to and with its first stop token."""
     for i, token in enumerate(proposal.tokens):
         if token in stop_ids:
             return proposal.prefix(i + 1)

@@ -75,6 +75,7 @@ from edge_client.combined_drafter import FEATURE, make_drafter
 from edge_client.core import (
     DRAFT_ONLY,
     GenerationStats,
+    cut_at_stop,
     draft_alone,
     generate,
     model_proposer,
@@ -115,6 +116,10 @@ class Suggestion:
     unverified_text: str
     cancelled: bool
     stats: SuggestionStats = field(default_factory=SuggestionStats)
+    # A preview: the draft's own continuation, shown through on_update while the suggestion
+    # waits for the typing to settle (its tokens are all in unverified_ids after the kept
+    # ones); the verified suggestion replaces it.
+    preview: bool = False
 
 
 class AsyncDocument:
@@ -238,7 +243,10 @@ class AsyncDocument:
                 return kept
             if on_update is not None:  # shown at once, before any wait
                 on_update(kept)
-        if settle_ms and call == self._calls and not await self._settled(settle_ms):
+        preview = None
+        if settle_ms and on_update is not None and self._previews:
+            preview = self._preview(plan, max_new_tokens, on_update, t0, typed)
+        if settle_ms and call == self._calls and not await self._settled(settle_ms, preview):
             return _nothing(t0)  # the next key (or cancel()) came first: no work was sent
         online = call == self._calls and await self._reach_verifier()
         if call != self._calls:  # a newer suggest() came while we waited: it goes instead
@@ -285,10 +293,52 @@ class AsyncDocument:
             raise
         return task
 
-    async def _settled(self, settle_ms: float) -> bool:
+    async def _settled(self, settle_ms: float, preview=None) -> bool:
         """Waits ``settle_ms`` as the suggestion in flight, so that a newer ``suggest`` or
-        ``cancel()`` ends the wait; whether it ran out undisturbed."""
-        return not (await self._in_flight(asyncio.sleep(settle_ms / 1000))).cancelled()
+        ``cancel()`` ends the wait, showing ``preview`` (a coroutine) first if given;
+        whether it ran out undisturbed."""
+        async def wait() -> None:
+            end = time.perf_counter() + settle_ms / 1000
+            if preview is not None:
+                await preview
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
+
+        task = await self._in_flight(wait())
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+        return not task.cancelled()
+
+    @property
+    def _previews(self) -> bool:
+        """Whether waits show the draft's own continuation (GenerationConfig.preview):
+        greedy documents drafting with the ONNX model (a sampled preview would use the
+        draft's random stream, and the verified drafts after it would differ from a
+        document's without previews)."""
+        cfg = self.config
+        return cfg.preview and cfg.temperature == 0 and not self._features
+
+    async def _preview(self, plan: _Plan, max_new_tokens: int,
+                       on_update: Callable[[Suggestion], None], t0: float, typed: str) -> None:
+        """Shows, through ``on_update``, the draft's own continuation of the healed text
+        (one round's worth, unverified, ``Suggestion.preview``) after the tokens the typing
+        kept: no RPC and no forward, so every key inside a word gets a suggestion at once,
+        and the verified one replaces it if the typing settles."""
+        k = min(max_new_tokens - len(plan.reused), max(1, self.config.draft_len))
+        if k < 1:
+            return
+        spelling, stats = self._spelling(), GenerationStats()
+        spell = (spelling, plan.rest) if plan.rest else None
+        proposal = await model_proposer(self._drafter, stats, self._drafting)(
+            plan.ctx + plan.reused, k, spell)
+        tokens = cut_at_stop(proposal, self._stop).tokens
+        if spell is not None:  # drafters that cannot mask are cut where they stop spelling
+            tokens = tokens[:spelling.advance_all(plan.rest, tokens)[0]]
+        if not tokens:
+            return
+        run = _Run(plan.ctx, max_new_tokens, plan.reused)
+        run.add(unverified_delivery(tokens))
+        on_update(replace(self._suggestion(run, False, 0, stats, t0, typed, len(plan.reused)),
+                          preview=True))
 
     async def _reach_verifier(self) -> bool:
         """Whether the client has its verifier. One that came up without it asks again, once

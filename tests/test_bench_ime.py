@@ -191,3 +191,33 @@ def test_suggestion_hits_count_the_next_character_and_the_whole_word():
     assert the.word == 1  # only after "go to": the next word is " the"
     assert the.first_char == 3  # the keys before a space: "go", "go to", "go to the"
     assert the.rates()["word_rate"] == round(1 / the.keys, 4)
+
+
+def test_the_tapping_typist_takes_only_suggestions_that_spell_the_word():
+    """A suggester that knows the message: one tap a word after the first key (typing
+    "go to the park" takes 5 keystrokes); one that always says " the": a tap only after "go to";
+    one that never fits: a key a character. Forwards and no-RPC suggestions come from stats."""
+    from types import SimpleNamespace
+
+    from edge_client.bench.ime.keystrokes import Tally, type_message
+
+    message = "go to the park"
+
+    def suggester(say, forwards=1, reused=0):
+        stats = SimpleNamespace(target_forwards=forwards, reused_tokens=reused)
+        return lambda text: SimpleNamespace(text=say(text), stats=stats)
+
+    oracle = Tally()
+    type_message(message, suggester(lambda text: message[len(text):]), oracle)
+    # "g", then taps: "o", " to", " the", " park"
+    assert (oracle.keystrokes, oracle.taps, oracle.chars) == (5, 4, len(message))
+    assert oracle.tapped_chars == len(message) - 1
+    assert oracle.report()["keystroke_savings"] == round(1 - 5 / len(message), 4)
+    the = Tally()
+    type_message(message, suggester(lambda text: " the", forwards=0, reused=2), the)
+    assert the.taps == 1 and the.keystrokes == len(message) - len(" the") + 1
+    assert the.no_rpc == the.suggestions == the.keystrokes - 1 and the.target_forwards == 0
+    never = Tally()
+    type_message(message, suggester(lambda text: "x"), never)
+    assert never.keystrokes == len(message) and never.taps == 0
+    assert never.target_forwards == never.suggestions == len(message) - 1

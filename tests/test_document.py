@@ -328,7 +328,8 @@ def test_on_update_streams_the_suggestion_as_its_tokens_come(verifier, tiny_llam
                                                              target):
     """A 12-token greedy suggestion at K = 3 takes several rounds (the tiny draft's drafts
     are mostly rejected): on_update sees it grow, each time a strict extension of the last
-    and a prefix of the whole, and the last one equals what suggest() returns."""
+    and a prefix of the whole, and the last one equals what suggest() returns, after a
+    first update that is the draft's preview."""
     updates = []
 
     async def run():
@@ -338,6 +339,9 @@ def test_on_update_streams_the_suggestion_as_its_tokens_come(verifier, tiny_llam
 
     whole = asyncio.run(run())
     assert whole.token_ids == hf_greedy(target, PROMPT, 12)
+    # The text ends inside a word ("t8"): the document waits, showing the draft's preview.
+    assert updates[0].preview and updates[0].token_ids == []
+    updates = updates[1:]
     assert len(updates) >= 2 and len(updates) == whole.stats.target_forwards
     sizes = [len(u.token_ids) for u in updates]
     assert sizes == sorted(set(sizes)) and sizes[-1] == 12
@@ -377,6 +381,59 @@ def test_keys_typed_within_the_settle_time_send_no_work(verifier, tiny_llama_pai
     assert not last.cancelled and last.token_ids == hf_greedy(target, keys[-1], 3)
     assert ran == last.stats.target_forwards > 0
     assert stopped.cancelled and stopped.stats.target_forwards == 0 and after_cancel == 0
+
+
+def draft_greedy(tiny_llama_pair, text: list[int], n: int) -> list[int]:
+    """The tiny draft's own greedy continuation (the ONNX model alone), as GREEDY drafts
+    (stopping where its joint confidence falls below stop_confidence)."""
+    drafter = ModelDrafter(OnnxDraftModel(tiny_llama_pair.draft_dir),
+                           GREEDY.draft_sampling(GREEDY.max_support), np.random.default_rng(0))
+    return drafter.propose(text, n).tokens
+
+
+def test_a_wait_previews_the_drafts_continuation_with_no_work(verifier, tiny_llama_pair,
+                                                              target):
+    """While a suggestion waits for the typing to settle, on_update first shows the draft's
+    greedy continuation, unverified and marked as a preview, before any session or forward;
+    a key that supersedes it has still had its preview. After the wait the verified
+    suggestion (the target's) follows as before. No previews when turned off or sampled."""
+    config = replace(GREEDY, drafter="model")
+    keys = [PROMPT + [20], PROMPT + [20, 31]]
+
+    async def run(cfg):
+        async with AsyncEdgeClient(verifier.address, tiny_llama_pair.draft_dir) as client:
+            async with client.document(cfg) as doc:
+                sessions, forwards = live_sessions(verifier), metric(verifier, "target_forwards")
+                seen: list[list] = [[], []]
+                work: list[tuple] = []
+
+                def show(i):
+                    def shown(s):
+                        seen[i].append(s)
+                        if s.preview:
+                            work.append((live_sessions(verifier) - sessions,
+                                         metric(verifier, "target_forwards") - forwards))
+                    return shown
+
+                first = asyncio.ensure_future(doc.suggest(keys[0], 3, settle_ms=300,
+                                                          on_update=show(0)))
+                await asyncio.sleep(0.15)
+                last = await doc.suggest(keys[1], 3, settle_ms=100, on_update=show(1))
+                return await first, last, seen, work
+
+    first, last, seen, work = asyncio.run(run(config))
+    assert first.cancelled and first.stats.target_forwards == 0
+    assert [s.preview for s in seen[0]] == [True]
+    assert seen[0][0].token_ids == [] and not seen[0][0].cancelled
+    assert seen[0][0].unverified_ids == draft_greedy(tiny_llama_pair, keys[0], 3)
+    assert seen[1][0].preview and seen[1][0].unverified_ids == draft_greedy(tiny_llama_pair,
+                                                                            keys[1], 3)
+    assert work == [(0, 0), (0, 0)]  # both previews came before any session or forward
+    assert not any(s.preview for s in seen[1][1:]) and len(seen[1]) > 1
+    assert not last.preview and last.token_ids == hf_greedy(target, keys[1], 3)
+    for cfg in (replace(config, preview=False), replace(config, temperature=1.0, seed=1)):
+        first, last, seen, _ = asyncio.run(run(cfg))
+        assert not any(s.preview for s in seen[0] + seen[1]) and seen[0] == []
 
 
 def test_a_document_waits_inside_a_word_and_not_after_one(verifier, tiny_llama_pair, target):

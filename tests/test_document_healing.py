@@ -140,3 +140,26 @@ def test_real_target_heals_a_partial_word_and_keeps_it_while_typed(real_assets):
             assert s.token_ids == reference(text), text
             free += s.stats.reused_tokens > 0 and s.stats.target_forwards == 0
         assert free >= 1
+
+
+def test_a_healed_preview_spells_the_word_being_typed(spelled, tiny_llama_pair, target):
+    """A text ending inside a word, with a wait: the preview (the draft's own tokens, shown
+    before any forward) begins by spelling the bytes healing backed over, as the verified
+    suggestion after it does."""
+    text = [1, 40, 87, 7]  # ends in " b", a word begun
+    ctx, rest = TOY.heal(text)
+    assert rest
+
+    async def run():
+        async with AsyncEdgeClient(spelled.address, tiny_llama_pair.draft_dir) as client:
+            spell(client)
+            seen = []
+            async with client.document(replace(CONFIG, drafter="model")) as doc:
+                s = await doc.suggest(text, 4, settle_ms=50, on_update=seen.append)
+            return seen, s
+
+    seen, s = asyncio.run(run())
+    preview = seen[0]
+    assert preview.preview and preview.token_ids == [] and preview.unverified_ids
+    assert TOY.advance_all(rest, preview.unverified_ids)[0] == len(preview.unverified_ids)
+    assert not s.preview and s.token_ids == masked_greedy(target.model, TOY, text, 4)

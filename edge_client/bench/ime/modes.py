@@ -50,6 +50,9 @@ class KeyRecord:
     max_new_tokens: int
     context_tokens: int = 0
     first_ms: float | None = None  # first suggested token (verified or not) shown
+    # The draft's preview shown while the suggestion waits for the typing (edit sessions;
+    # not counted in first_ms: nothing of it is verified, and it is shown with no RPC).
+    preview_ms: float | None = None
     full_ms: float | None = None  # the whole suggestion shown
     tokens: int = 0  # verified tokens shown
     unverified: int = 0  # unverified (draft-only) tokens shown
@@ -178,7 +181,10 @@ class EditMode(Mode):
         if not ids:  # a backspace emptied the field: nothing to continue
             return
         def shown(partial) -> None:  # the document streams its tokens as they come
-            if record.first_ms is None and (partial.token_ids or partial.unverified_ids):
+            if partial.preview:
+                if record.preview_ms is None:
+                    record.preview_ms = (time.perf_counter() - record.at) * 1000
+            elif record.first_ms is None and (partial.token_ids or partial.unverified_ids):
                 record.first_ms = (time.perf_counter() - record.at) * 1000
 
         try:

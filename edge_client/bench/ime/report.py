@@ -5,9 +5,12 @@ Per mode (``modes.<name>.aggregate``), over the keys of the measured phase:
 - ``suggest_ms_p50/p95``: key press to the whole suggestion shown (its 4-12 tokens, or fewer
   when the target ends the text), over the keys whose suggestion was whole before the next
   key; ``first_token_ms_p50/p95``: key press to the first suggested token shown, over the keys
-  that got one. Both are conditional on the suggestion arriving, so ``full_fraction`` says how
-  many did, and ``suggest_ms_p95_all_keys`` counts a key that got no whole suggestion as
-  infinitely late (null when more than 5 % of the keys got none).
+  that got one (previews not counted). Both are conditional on the suggestion arriving, so
+  ``full_fraction`` says how many did, and ``suggest_ms_p95_all_keys`` counts a key that got
+  no whole suggestion as infinitely late (null when more than 5 % of the keys got none).
+- ``previewed_keys``, ``preview_ms_p50/p95``: keys whose suggestion first showed the
+  draft's own continuation while it waited for the typing (edit sessions,
+  ``GenerationConfig.preview``), and key press to that preview.
 - ``forwards_per_keystroke`` and ``tokens_computed_per_keystroke``: the verifier's target
   forwards and the tokens they computed, per key, from its counters (``forwards_source``
   "server"); without a metrics endpoint, the forwards the client saw ("client"), cancelled
@@ -59,6 +62,7 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
     keys = len(records)
     full = [r for r in records if r.full_ms is not None]
     shown = [r for r in records if r.first_ms is not None]
+    previewed = [r for r in records if r.preview_ms is not None]
     cancelled = [r for r in records if r.cancelled]
     errors: Counter = Counter(r.error for r in records if r.error)
     retried: Counter = Counter()
@@ -83,6 +87,10 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
         "first_token_ms_p50": _pct([r.first_ms for r in shown], 50),
         "first_token_ms_p95": _pct([r.first_ms for r in shown], 95),
         "suggest_ms_p95_all_keys": _censored_pct(records, 95),
+        # Edit sessions: keys that got the draft's preview while waiting, and how soon.
+        "previewed_keys": len(previewed),
+        "preview_ms_p50": _pct([r.preview_ms for r in previewed], 50),
+        "preview_ms_p95": _pct([r.preview_ms for r in previewed], 95),
         "forwards_per_keystroke": per_key(forwards),
         "forwards_source": source,
         "client_forwards_per_keystroke": per_key(client_forwards),
@@ -230,9 +238,11 @@ def summary_lines(report: dict) -> list[str]:
             continue
         a = mode["aggregate"]
         b = a["breakdown_ms"]
+        preview = (f"; draft preview on {a['previewed_keys']} keys, {a['preview_ms_p50']}/"
+                   f"{a['preview_ms_p95']} ms" if a["previewed_keys"] else "")
         lines.append(
             f"{name:10s} suggestion p50/p95 {a['suggest_ms_p50']}/{a['suggest_ms_p95']} ms "
-            f"(first token {a['first_token_ms_p50']}/{a['first_token_ms_p95']} ms), "
+            f"(first token {a['first_token_ms_p50']}/{a['first_token_ms_p95']} ms{preview}), "
             f"whole before the next key {a['full_fraction']}, forwards/key "
             f"{a['forwards_per_keystroke']} ({a['forwards_source']}), tokens computed/key "
             f"{a['tokens_computed_per_keystroke']}, cancelled {a['cancelled']['suggestions']}, "

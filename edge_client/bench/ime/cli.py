@@ -71,6 +71,9 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-heal", action="store_true",
                    help="edit sessions send the text's own tokens: no token healing and no "
                         "type-through (GenerationConfig.heal=False)")
+    p.add_argument("--no-preview", action="store_true",
+                   help="edit sessions show nothing while they wait for the typing: no "
+                        "draft preview (GenerationConfig.preview=False)")
     p.add_argument("--no-outage", action="store_true", help="skip the outage drill")
     p.add_argument("--outage-modes", nargs="+", choices=MODE_NAMES, default=None,
                    help="the modes the drill runs for (default: every mode measured)")
@@ -106,7 +109,8 @@ def cmd_ime(args: argparse.Namespace) -> int:
                            fallback=args.fallback == "draft-only", budget_ms=args.budget_ms,
                            follow_suggested_k=not args.no_follow_suggested_k,
                            settle_ms=args.settle_ms, word_settle_ms=args.word_settle_ms,
-                           heal=not args.no_heal, drill=not args.no_outage,
+                           heal=not args.no_heal, preview=not args.no_preview,
+                           drill=not args.no_outage,
                            drill_modes=tuple(args.outage_modes) if args.outage_modes else None,
                            outage_after_s=args.outage_after,
                            outage_s=args.outage, recovery_s=args.recovery,

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 from edge_client.bench.ime.type_through import next_word
 
@@ -128,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             logging.info("%s: %s", name, report["settings"][name])
     print(json.dumps(report, indent=1))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+        from edge_client.bench.ime.report import write_json
+
+        write_json(Path(args.json), report)
     return 0
 
 

@@ -29,6 +29,7 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                                                              args.tokens)).rates()}
     print(json.dumps(report, indent=1))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+        from edge_client.bench.ime.report import write_json
+
+        write_json(Path(args.json), report)
     return 0
 
 

@@ -65,8 +65,9 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -243,9 +244,8 @@ class AsyncDocument:
                 return kept
             if on_update is not None:  # shown at once, before any wait
                 on_update(kept)
-        preview = None
-        if settle_ms and on_update is not None and self._previews:
-            preview = self._preview(plan, max_new_tokens, on_update, t0, typed)
+        preview = partial(self._preview, plan, max_new_tokens, on_update, t0, typed) \
+            if on_update is not None and self._previews else None
         if settle_ms and call == self._calls and not await self._settled(settle_ms, preview):
             return _nothing(t0)  # the next key (or cancel()) came first: no work was sent
         online = call == self._calls and await self._reach_verifier()
@@ -293,14 +293,15 @@ class AsyncDocument:
             raise
         return task
 
-    async def _settled(self, settle_ms: float, preview=None) -> bool:
+    async def _settled(self, settle_ms: float,
+                       preview: Callable[[], Awaitable[None]] | None = None) -> bool:
         """Waits ``settle_ms`` as the suggestion in flight, so that a newer ``suggest`` or
-        ``cancel()`` ends the wait, showing ``preview`` (a coroutine) first if given;
-        whether it ran out undisturbed."""
+        ``cancel()`` ends the wait, first awaiting ``preview()`` if given; whether it ran out
+        undisturbed."""
         async def wait() -> None:
             end = time.perf_counter() + settle_ms / 1000
             if preview is not None:
-                await preview
+                await preview()
             await asyncio.sleep(max(0.0, end - time.perf_counter()))
 
         task = await self._in_flight(wait())

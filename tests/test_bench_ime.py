@@ -93,6 +93,8 @@ def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path
         assert agg["suggest_ms_p95"] >= agg["suggest_ms_p50"] > 0
         assert agg["first_token_ms_p95"] >= agg["first_token_ms_p50"] > 0
         assert agg["suggestions_shown"] >= agg["suggestions_full"]
+        by_key = agg["client_forwards_by_key"]
+        assert sum(k["keys"] for k in by_key.values()) == agg["keystrokes"]
         assert agg["cancelled"]["suggestions"] <= agg["keystrokes"]
         assert agg["errors"] == {}
         assert len(modes[name]["samples"]["suggest_ms"]) == agg["suggestions_full"]
@@ -225,3 +227,17 @@ def test_the_tapping_typist_takes_only_suggestions_that_spell_the_word():
     type_message(message, suggester(lambda text: "x"), never)
     assert never.keystrokes == len(message) and never.taps == 0
     assert never.target_forwards == never.suggestions == len(message) - 1
+
+
+def test_keys_are_told_apart_by_where_they_leave_the_text_and_forwards_split_by_it():
+    from edge_client.bench.ime.modes import KeyRecord
+    from edge_client.bench.ime.report import forwards_by_kind
+    from edge_client.bench.ime.typist import BACKSPACE, Keystroke, key_kind
+
+    kinds = [key_kind(Keystroke(0.0, key, text, 4)) for key, text in
+             (("i", "Hi"), (" ", "Hi "), (",", "Hi,"), ("7", "at 7"), (BACKSPACE, "H"))]
+    assert kinds == ["word", "space", "punct", "word", "backspace"]
+    records = [KeyRecord("edit", "typing", 0, i, 0.0, 4, kind, target_forwards=f)
+               for i, (kind, f) in enumerate([("word", 0), ("word", 1), ("space", 3)])]
+    assert forwards_by_kind(records) == {"word": {"keys": 2, "forwards_per_key": 0.5},
+                                         "space": {"keys": 1, "forwards_per_key": 3.0}}

@@ -48,6 +48,7 @@ class KeyRecord:
     key: int  # index of the key in its field
     at: float  # time.perf_counter() of the key press
     max_new_tokens: int
+    kind: str = ""  # where the key left the text (typist.key_kind)
     context_tokens: int = 0
     first_ms: float | None = None  # first suggested token (verified or not) shown
     # The draft's preview shown while the suggestion waits for the typing (edit sessions;

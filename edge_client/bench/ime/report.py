@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.bench.ime.modes import KeyRecord
+from edge_client.bench.ime.typist import KEY_KINDS
 from edge_client.bench.ime.verifier import Work
 
 PHASES = ("before", "down", "after")
@@ -56,6 +57,17 @@ def _censored_pct(records: list[KeyRecord], q: float) -> float | None:
         return None
     value = values[max(0, math.ceil(q / 100 * len(values)) - 1)]
     return None if math.isinf(value) else round(value, 2)
+
+
+def forwards_by_kind(records: list[KeyRecord]) -> dict:
+    """Per key kind: keys, and the target forwards the client saw per key of that kind."""
+    out = {}
+    for kind in KEY_KINDS:
+        rs = [r for r in records if r.kind == kind]
+        if rs:
+            out[kind] = {"keys": len(rs), "forwards_per_key":
+                         round(sum(r.target_forwards for r in rs) / len(rs), 4)}
+    return out
 
 
 def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
@@ -94,6 +106,8 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
         "forwards_per_keystroke": per_key(forwards),
         "forwards_source": source,
         "client_forwards_per_keystroke": per_key(client_forwards),
+        # The client's forwards by where each key left the text (typist.key_kind).
+        "client_forwards_by_key": forwards_by_kind(records),
         "tokens_computed_per_keystroke": computed,
         "tokens_per_suggestion": _mean([r.tokens + r.unverified for r in full]),
         "unverified_tokens": sum(r.unverified for r in records),

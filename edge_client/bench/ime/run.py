@@ -29,7 +29,7 @@ import numpy as np
 
 from edge_client.bench.fleet.netem import NetEm, NetEmLink, profile
 from edge_client.bench.ime.modes import KeyRecord, Mode, make_mode
-from edge_client.bench.ime.typist import Field, Script, TypingProfile
+from edge_client.bench.ime.typist import Field, Script, TypingProfile, key_kind
 from edge_client.bench.ime.verifier import ServerWork, VerifierHandle, Work
 from edge_client.connection import RetryPolicy
 from edge_client.link import until
@@ -137,7 +137,7 @@ async def type_field(mode: Mode, fld: Field, phase: Callable[[], str], index: in
             if task is not None and not task.done():
                 mode.supersede(task, record)
             record = KeyRecord(mode.name, phase(), index, i, time.perf_counter(),
-                               key.max_new_tokens)
+                               key.max_new_tokens, key_kind(key))
             records.append(record)
             task = asyncio.ensure_future(mode.suggest(key.text, key.max_new_tokens, record))
             tasks.append(task)

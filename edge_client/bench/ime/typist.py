@@ -69,6 +69,19 @@ class Field:
         return self.keys[-1].text if self.keys else ""
 
 
+KEY_KINDS = ("word", "space", "punct", "backspace")
+
+
+def key_kind(key: Keystroke) -> str:
+    """Where a key leaves the text: inside a word ("word": its last character a letter or
+    digit), after a space, after punctuation, or a backspace."""
+    if key.key == BACKSPACE:
+        return "backspace"
+    if key.text[-1:].isalnum():
+        return "word"
+    return "space" if key.text.endswith(" ") else "punct"
+
+
 def load_messages(path: Path | None = None) -> list[str]:
     """The messages to type: one a line (default: the benchmark's own ``messages.txt``)."""
     raw = (path.read_text(encoding="utf-8") if path is not None

@@ -42,8 +42,7 @@ or, synchronously, ``with edge_client.document(config) as doc: doc.suggest(...)`
   (``edge_client.typing_pace``; ``GenerationConfig.word_settle_ms``, 150 ms, until it is
   known). A newer ``suggest`` (the next key) or ``cancel()`` in that time ends it,
   cancelled, before any RPC, so keys typed in a burst cost the verifier nothing, and a key
-  after a space or punctuation, where the user looks for the suggestion, is sent at once;
-  its later rounds wait as a key inside a word would (``GenerationConfig.hold_rounds``).
+  after a space or punctuation, where the user looks for the suggestion, is sent at once.
   A per-call ``settle_ms`` is the whole wait.
 - **Fallback.** With ``GenerationConfig.fallback="draft-only"``, a suggestion whose verifier
   is unreachable is completed by the draft alone, marked unverified. The next suggestion
@@ -225,11 +224,8 @@ class AsyncDocument:
         tail = text_or_ids if isinstance(text_or_ids, str) else \
             self.client.tokenizer.decode(ids[-1:])
         word_wait = self._pace.key(tail, t0)
-        hold = None  # until when rounds after the first wait (GenerationConfig.hold_rounds)
         if settle_ms is None:  # the config's: longer while the text ends inside a word
             timing = replace(timing, settle_ms=max(timing.settle_ms, word_wait))
-            if self.config.hold_rounds:
-                hold = t0 + self._pace.wait_ms() / 1000
         budget_ms, settle_ms = timing.budget_ms, timing.settle_ms
         self._calls += 1
         call = self._calls
@@ -268,7 +264,7 @@ class AsyncDocument:
         deadline = None if budget_ms is None else t0 + budget_ms / 1000
         spent = False
         if online:
-            cancelled, spent = await self._verified(state, stats, run, deadline, hold)
+            cancelled, spent = await self._verified(state, stats, run, deadline)
         else:  # the client came up without its verifier: the draft suggests alone
             cancelled = False
         # Past the budget the draft fills only a suggestion that would be empty, one round;
@@ -359,12 +355,10 @@ class AsyncDocument:
         return True
 
     async def _verified(self, state: GenerationState, stats: GenerationStats, run: _Run,
-                        deadline: float | None, hold: float | None) -> tuple[bool, bool]:
+                        deadline: float | None) -> tuple[bool, bool]:
         """Runs the suggestion against the verifier until ``deadline`` (perf_counter time;
-        None: none), rounds after the first not before ``hold``; whether it was cancelled,
-        and whether the budget was spent."""
-        task = await self._in_flight(self._run(state, stats, run, hold), None
-                                     if deadline is None
+        None: none); whether it was cancelled, and whether the budget was spent."""
+        task = await self._in_flight(self._run(state, stats, run), None if deadline is None
                                      else max(0.0, deadline - time.perf_counter()))
         spent = not task.done()
         if spent:  # the budget is spent: the drafts on their way come unverified
@@ -466,8 +460,7 @@ class AsyncDocument:
         state.edit(keep, text[keep:], max_new_tokens - len(plan.reused), plan.rest)
         return state, keep
 
-    async def _run(self, state: GenerationState, stats: GenerationStats, run: _Run,
-                   hold: float | None = None) -> None:
+    async def _run(self, state: GenerationState, stats: GenerationStats, run: _Run) -> None:
         async with contextlib.aclosing(generate(
                 self.client.conn, state, model_proposer(self._drafter, stats, self._drafting),
                 stats,
@@ -477,10 +470,6 @@ class AsyncDocument:
                 run.add(delivery)
                 if not delivery.verified and run.complete:
                     return  # a whole suggestion from the draft alone: the user has it now
-                if hold is not None and (wait := hold - time.perf_counter()) > 0:
-                    # The generator sends its next round only when asked for it; a key in
-                    # this wait cancels the suggestion before that round reaches a forward.
-                    await asyncio.sleep(wait)
 
     async def _draft_rest(self, state: GenerationState, stats: GenerationStats,
                           run: _Run, one_round: bool = False) -> None:

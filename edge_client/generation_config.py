@@ -1,7 +1,7 @@
 """What a generation or a document asks of the client: ``GenerationConfig``.
 
 Sampling, drafting, the server's hints to follow, the fallback and the latency budget apply to
-every generation; the settle, healing, preview and hold settings to documents only
+every generation; the settle, healing and preview settings to documents only
 (edge_client.document).
 """
 
@@ -86,12 +86,6 @@ class GenerationConfig:
     # suggestion replaces it if the typing settles. Greedy documents only, with any drafter
     # but the feature head (which has no target feature before the first round).
     preview: bool = True
-    # Documents only: after a key that leaves a word (a space or punctuation) the first round
-    # goes at once, since the user reads its tokens next, and the suggestion's later rounds
-    # wait until the typing has settled as long as after a key inside a word (word_settle_ms).
-    # The next key usually comes first; those rounds' forwards would go unseen. Costs a
-    # whole suggestion after a pause at most that wait less its first round. False: at once.
-    hold_rounds: bool = True
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:

@@ -154,11 +154,10 @@ def test_the_settle_time_reaches_every_modes_config_and_is_checked():
     for bad in ({"settle_ms": -1}, {"word_settle_ms": -1}):
         with pytest.raises(ValueError, match="settle"):
             ImeConfig(modes=("edit",), **bad)
-    # --no-heal, --no-preview and --no-hold reach the edit sessions' config.
-    on = generation_config("edit", 4, True)
-    assert on.preview and on.heal and on.hold_rounds
-    off = generation_config("edit", 4, True, heal=False, preview=False, hold=False)
-    assert not off.preview and not off.heal and not off.hold_rounds
+    # --no-heal and --no-preview reach the edit sessions' config.
+    assert generation_config("edit", 4, True).preview and generation_config("edit", 4, True).heal
+    off = generation_config("edit", 4, True, heal=False, preview=False)
+    assert not off.preview and not off.heal
 
 
 def test_type_through_counts_exact_and_first_character_matches():

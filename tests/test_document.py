@@ -442,9 +442,8 @@ def test_a_document_waits_inside_a_word_and_not_after_one(verifier, tiny_llama_p
     to such text, waits: a cancel() after 100 ms ends it with no session opened and no
     forward. A text ending in a space, and ids ending in a token that decodes to "<unk>",
     are sent at once and get the target's suggestion; a per-call settle_ms=0 is the whole
-    wait even mid-word. (The tiny tokenizer's words are t3 .. tN.) Rounds after the first
-    are not held here (tests/test_document_hold.py)."""
-    config = replace(GREEDY, word_settle_ms=60_000, hold_rounds=False)
+    wait even mid-word. (The tiny tokenizer's words are t3 .. tN.)"""
+    config = replace(GREEDY, word_settle_ms=60_000)
 
     async def waits(doc, text) -> tuple:
         asyncio.get_running_loop().call_later(0.1, doc.cancel)

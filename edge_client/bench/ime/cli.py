@@ -74,9 +74,6 @@ def add_ime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-preview", action="store_true",
                    help="edit sessions show nothing while they wait for the typing: no "
                         "draft preview (GenerationConfig.preview=False)")
-    p.add_argument("--no-hold", action="store_true",
-                   help="edit sessions send a suggestion's later rounds at once after a key "
-                        "that leaves a word (GenerationConfig.hold_rounds=False)")
     p.add_argument("--no-outage", action="store_true", help="skip the outage drill")
     p.add_argument("--outage-modes", nargs="+", choices=MODE_NAMES, default=None,
                    help="the modes the drill runs for (default: every mode measured)")
@@ -113,7 +110,6 @@ def cmd_ime(args: argparse.Namespace) -> int:
                            follow_suggested_k=not args.no_follow_suggested_k,
                            settle_ms=args.settle_ms, word_settle_ms=args.word_settle_ms,
                            heal=not args.no_heal, preview=not args.no_preview,
-                           hold=not args.no_hold,
                            drill=not args.no_outage,
                            drill_modes=tuple(args.outage_modes) if args.outage_modes else None,
                            outage_after_s=args.outage_after,

@@ -229,8 +229,7 @@ class EditMode(Mode):
 def generation_config(mode: str, draft_len: int, fallback: bool,
                       follow_suggested_k: bool = True, settle_ms: float = 0.0,
                       word_settle_ms: float | None = None,
-                      heal: bool = True, preview: bool = True,
-                      hold: bool = True) -> GenerationConfig:
+                      heal: bool = True, preview: bool = True) -> GenerationConfig:
     """Greedy suggestions (an IME shows the target's most likely continuation). Edit
     sessions fall back to the draft alone when the verifier is away, if asked to, and
     follow the verifier's suggested K unless told not to (then they draft K every round,
@@ -243,7 +242,7 @@ def generation_config(mode: str, draft_len: int, fallback: bool,
     config = GenerationConfig(max_new_tokens=12, draft_len=draft_len,
                               follow_suggested_draft_len=None if follow_suggested_k else False,
                               settle_ms=settle_ms, word_settle_ms=word_settle_ms, heal=heal,
-                              preview=preview, hold_rounds=hold)
+                              preview=preview)
     if mode == "edit" and fallback:
         config = replace(config, fallback="draft-only")
     return config
@@ -253,9 +252,9 @@ def make_mode(name: str, address: str, draft_dir, link, retry, draft_len: int,
               fallback: bool, budget_ms: float | None,
               intra_op_threads: int | None, follow_suggested_k: bool = True,
               settle_ms: float = 0.0, word_settle_ms: float | None = None,
-              heal: bool = True, preview: bool = True, hold: bool = True) -> Mode:
+              heal: bool = True, preview: bool = True) -> Mode:
     config = generation_config(name, draft_len, fallback, follow_suggested_k, settle_ms,
-                               word_settle_ms, heal, preview, hold)
+                               word_settle_ms, heal, preview)
     # The client's fallback too: a typist whose verifier is down at the start still gets
     # (unverified) suggestions.
     client = AsyncEdgeClient(address, draft_dir, protocol=_PROTOCOL[name], link=link,

@@ -60,7 +60,6 @@ class ImeConfig:
     word_settle_ms: float | None = None
     heal: bool = True  # edit sessions: token healing and type-through (GenerationConfig.heal)
     preview: bool = True  # edit sessions: the draft's preview while waiting (.preview)
-    hold: bool = True  # edit sessions: later rounds wait after a word (.hold_rounds)
     drill: bool = True
     drill_modes: tuple[str, ...] | None = None  # the modes the drill runs for (None: all)
     outage_after_s: float = 3.0
@@ -223,7 +222,7 @@ async def run_ime(verifier: VerifierHandle, draft_dir: Path | None, cfg: ImeConf
             mode = make_mode(name, verifier.address, draft_dir, link, retry, cfg.draft_len,
                              cfg.fallback, cfg.budget_ms, cfg.draft_threads,
                              cfg.follow_suggested_k, cfg.settle_ms, cfg.word_settle_ms,
-                             cfg.heal, cfg.preview, cfg.hold)
+                             cfg.heal, cfg.preview)
             modes.append(mode)
             await mode.client.connect()
         for mode in modes:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_client.typing_pace import inside_word
+
 BACKSPACE = "\b"
 _SENTENCE_ENDS = ".?!"
 
@@ -73,11 +75,12 @@ KEY_KINDS = ("word", "space", "punct", "backspace")
 
 
 def key_kind(key: Keystroke) -> str:
-    """Where a key leaves the text: inside a word ("word": its last character a letter or
-    digit), after a space, after punctuation, or a backspace."""
+    """Where a key leaves the text: inside a word ("word", as a document's settle wait
+    judges it: ``typing_pace.inside_word``), after a space, after punctuation, or a
+    backspace."""
     if key.key == BACKSPACE:
         return "backspace"
-    if key.text[-1:].isalnum():
+    if inside_word(key.text):
         return "word"
     return "space" if key.text.endswith(" ") else "punct"
 

@@ -55,7 +55,7 @@ from edge_client.errors import (  # noqa: F401 - part of this module's API
 )
 from edge_client.feature_draft import FeatureHead
 from edge_client.feature_drafter import feature_head_for
-from edge_client.generation_config import GenerationConfig  # noqa: F401 - part of this API
+from edge_client.generation_config import GenerationConfig
 from edge_client.generation_state import (  # noqa: F401 - ProtocolError is API
     PROTOCOLS,
     ROUNDS,

@@ -241,3 +241,36 @@ def test_keys_are_told_apart_by_where_they_leave_the_text_and_forwards_split_by_
                for i, (kind, f) in enumerate([("word", 0), ("word", 1), ("space", 3)])]
     assert forwards_by_kind(records) == {"word": {"keys": 2, "forwards_per_key": 0.5},
                                          "space": {"keys": 1, "forwards_per_key": 3.0}}
+
+
+def test_a_cancelled_edit_suggestion_counts_the_tokens_it_had_shown():
+    """The report's ``cancelled.tokens_shown``: a suggestion the next key cancelled had
+    streamed its verified (and unverified) tokens, and the edit mode records them, as the
+    reopen mode does; it is neither whole nor counted in the latencies."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from edge_client.bench.ime.modes import EditMode, KeyRecord
+    from edge_client.bench.ime.report import aggregate
+    from edge_client.document import Suggestion
+
+    class Document:  # the document's answer when the next key came first
+        def __init__(self, cancelled: bool) -> None:
+            self.cancelled = cancelled
+
+        async def suggest(self, text, max_new_tokens, budget_ms, on_update):
+            return Suggestion([5, 6], [7], " t5 t6", " t7", self.cancelled)
+
+    client = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text: [1, 2]))
+    mode = EditMode("edit", client, GenerationConfig(), budget_ms=None)
+    records = [KeyRecord("edit", "typing", 0, i, 0.0, 4, "space") for i in range(2)]
+    for record, cancelled in zip(records, (True, False), strict=True):
+        mode.document = Document(cancelled)
+        asyncio.run(mode.suggest("t1 t2 ", 4, record))
+    cut, whole = records
+    assert cut.cancelled and cut.full_ms is None and (cut.tokens, cut.unverified) == (2, 1)
+    assert not whole.cancelled and whole.full_ms is not None
+    agg = aggregate(records, None)
+    assert agg["cancelled"] == {"suggestions": 1, "fraction": 0.5, "target_forwards": 0,
+                                "tokens_shown": 3}
+    assert agg["suggestions_full"] == 1

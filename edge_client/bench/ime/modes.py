@@ -205,10 +205,11 @@ class EditMode(Mode):
         record.drafted, record.accepted = st.drafted, st.accepted
         record.draft_ms, record.network_ms, record.verify_ms = (st.draft_ms, st.network_ms,
                                                                 st.verify_ms)
+        # A cancelled suggestion still had the tokens it streamed (report: tokens_shown).
+        record.tokens, record.unverified = len(s.token_ids), len(s.unverified_ids)
         if s.cancelled:
             record.cancelled = True
             return
-        record.tokens, record.unverified = len(s.token_ids), len(s.unverified_ids)
         if record.tokens or record.unverified:
             record.full_ms = ms
             if record.first_ms is None:

@@ -98,7 +98,10 @@ def test_a_short_run_reports_every_mode_and_the_outage(tiny_llama_pair, tmp_path
         assert agg["cancelled"]["suggestions"] <= agg["keystrokes"]
         assert agg["errors"] == {}
         assert len(modes[name]["samples"]["suggest_ms"]) == agg["suggestions_full"]
-        assert set(agg["breakdown_ms"]) == {"draft", "network", "verify"}
+        parts = {"draft", "network", "verify", "other", "suggestions"}
+        assert set(agg["breakdown_ms"]) == set(agg["breakdown_ms_p95_tail"]) == parts
+        assert agg["breakdown_ms"]["suggestions"] == agg["suggestions_full"]
+        assert 1 <= agg["breakdown_ms_p95_tail"]["suggestions"] <= agg["suggestions_full"]
         # Every key of the measured phase gets one record; each either ends whole, is
         # cancelled, or was still without a whole suggestion when the field closed.
         assert agg["suggestions_full"] + agg["cancelled"]["suggestions"] <= agg["keystrokes"]
@@ -274,3 +277,29 @@ def test_a_cancelled_edit_suggestion_counts_the_tokens_it_had_shown():
     assert agg["cancelled"] == {"suggestions": 1, "fraction": 0.5, "target_forwards": 0,
                                 "tokens_shown": 3}
     assert agg["suggestions_full"] == 1
+
+
+def test_the_breakdown_splits_each_whole_suggestion_and_its_tail_is_the_slowest():
+    """``breakdown_ms`` is the mean of each whole suggestion's draft, network and verifier
+    time and the rest of its latency (``other``); ``breakdown_ms_p95_tail`` the same over
+    the suggestions at or above the p95 (here 20 suggestions: the slowest one)."""
+    from edge_client.bench.ime.modes import KeyRecord
+    from edge_client.bench.ime.report import aggregate
+
+    records = []
+    for i in range(20):
+        slow = i == 7
+        records.append(KeyRecord("edit", "typing", 0, i, 0.0, 4, "space",
+                                 full_ms=900.0 if slow else 100.0 + i, draft_ms=10.0,
+                                 network_ms=5.0, verify_ms=600.0 if slow else 60.0))
+    records.append(KeyRecord("edit", "typing", 0, 20, 0.0, 4, "word", cancelled=True,
+                             verify_ms=50.0))  # not whole: in neither
+    agg = aggregate(records, None)
+    whole = agg["breakdown_ms"]
+    assert whole["suggestions"] == 20
+    assert whole["verify"] == pytest.approx((19 * 60 + 600) / 20)
+    assert whole["other"] == pytest.approx(sum(r.full_ms - 10 - 5 - r.verify_ms
+                                               for r in records[:20]) / 20)
+    tail = agg["breakdown_ms_p95_tail"]
+    assert tail == {"draft": 10.0, "network": 5.0, "verify": 600.0, "other": 285.0,
+                    "suggestions": 1}

@@ -18,7 +18,9 @@ Per mode (``modes.<name>.aggregate``), over the keys of the measured phase:
 - ``cancelled``: suggestions a newer key (or the end of the field) cancelled before they
   were whole, with the forwards they had cost and the tokens they had shown.
 - ``breakdown_ms``: means per whole suggestion of the client's drafting time, the network
-  (waiting for replies minus the verifier's own time) and the verifier's queue + forward time.
+  (waiting for replies minus the verifier's own time), the verifier's queue + forward time,
+  and the rest (``other``: the settle wait, stopping the last suggestion, the client's own
+  work); ``breakdown_ms_p95_tail``: the same over the whole suggestions at or above the p95.
 - ``errors``: failures raised to the IME, by status; ``retried``: attempts the client lost
   and retried on its own, by status.
 
@@ -68,6 +70,27 @@ def forwards_by_kind(records: list[KeyRecord]) -> dict:
             out[kind] = {"keys": len(rs), "forwards_per_key":
                          round(sum(r.target_forwards for r in rs) / len(rs), 4)}
     return out
+
+
+def _slowest(full: list[KeyRecord], q: float) -> list[KeyRecord]:
+    """The whole suggestions at or above the q-th percentile of their latency."""
+    if not full:
+        return []
+    edge = np.percentile([r.full_ms for r in full], q)
+    return [r for r in full if r.full_ms >= edge]
+
+
+def breakdown(full: list[KeyRecord]) -> dict:
+    """Means over whole suggestions of where their time went: the client's drafting, the
+    network, the verifier, and the rest of the key-to-suggestion time (``other``: the wait
+    for the typing to settle, stopping the suggestion before, the client's own work)."""
+    return {
+        "draft": _mean([r.draft_ms for r in full]),
+        "network": _mean([r.network_ms for r in full]),
+        "verify": _mean([r.verify_ms for r in full]),
+        "other": _mean([r.full_ms - r.draft_ms - r.network_ms - r.verify_ms for r in full]),
+        "suggestions": len(full),
+    }
 
 
 def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
@@ -127,11 +150,9 @@ def aggregate(records: list[KeyRecord], work: Work | None) -> dict:
             "target_forwards": sum(r.target_forwards for r in cancelled),
             "tokens_shown": sum(r.tokens + r.unverified for r in cancelled),
         },
-        "breakdown_ms": {
-            "draft": _mean([r.draft_ms for r in full]),
-            "network": _mean([r.network_ms for r in full]),
-            "verify": _mean([r.verify_ms for r in full]),
-        },
+        "breakdown_ms": breakdown(full),
+        # The same over the slowest whole suggestions (at or above the p95): what the tail is.
+        "breakdown_ms_p95_tail": breakdown(_slowest(full, 95)),
         "errors": dict(errors),
         "error_examples": _examples(records),
         "retried": dict(retried),
@@ -251,7 +272,7 @@ def summary_lines(report: dict) -> list[str]:
             lines.append(f"{name:10s} unavailable: {mode['reason']}")
             continue
         a = mode["aggregate"]
-        b = a["breakdown_ms"]
+        b, t = a["breakdown_ms"], a["breakdown_ms_p95_tail"]
         preview = (f"; draft preview on {a['previewed_keys']} keys, {a['preview_ms_p50']}/"
                    f"{a['preview_ms_p95']} ms" if a["previewed_keys"] else "")
         lines.append(
@@ -260,8 +281,9 @@ def summary_lines(report: dict) -> list[str]:
             f"whole before the next key {a['full_fraction']}, forwards/key "
             f"{a['forwards_per_keystroke']} ({a['forwards_source']}), tokens computed/key "
             f"{a['tokens_computed_per_keystroke']}, cancelled {a['cancelled']['suggestions']}, "
-            f"errors {a['errors'] or 0}; draft/network/verify ms {b['draft']}/{b['network']}/"
-            f"{b['verify']}")
+            f"errors {a['errors'] or 0}; draft/network/verify/other ms {b['draft']}/"
+            f"{b['network']}/{b['verify']}/{b['other']}, at the p95 and over "
+            f"{t['draft']}/{t['network']}/{t['verify']}/{t['other']}")
         if (o := mode["outage"]) is not None:
             down = o["phases"]["down"]
             lines.append(

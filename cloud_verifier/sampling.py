@@ -35,7 +35,7 @@ import torch
 from cloud_verifier.device_copy import to_device
 
 _F32_MAX = torch.finfo(torch.float32).max
-SEED_LIMIT = 2**63
+SEED_LIMIT = 2**64  # the protocol's uint64: every value it can carry is a seed
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
         s = self.seed
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < SEED_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {s!r}")
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

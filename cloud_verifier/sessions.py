@@ -26,6 +26,7 @@ from cloud_verifier.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 16  # 128 bits
+_U64 = 2**64 - 1
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -33,9 +34,15 @@ def position_seed(seed: int, position: int) -> int:
 
     Randomness is a function of (session seed, position), not of a generator's history, so
     a session reopened with its full context after an eviction draws exactly the numbers
-    the evicted one would have drawn: eviction cannot change the output.
+    the evicted one would have drawn: eviction cannot change the output. torch's CPU
+    generator keeps only the low 32 bits of a seed, so all 64 bits of the session seed and
+    the position are mixed (splitmix64's finalizer) and folded into 32.
     """
-    return (seed * 0x9E3779B97F4A7C15 + position) % (2**63)
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
 
 
 def short_id(session_id: str) -> str:

@@ -25,7 +25,6 @@ from shared.token_spelling import MAX_CONTINUE_WITH, TokenSpelling
 
 # Probabilities may sum a little above 1 from float32 round-off on the device.
 PROB_SUM_TOLERANCE = 1e-3
-MAX_SEED = 2**63 - 1
 ROUNDS = pb.DRAFTING_ROUNDS
 LOOKAHEAD = pb.DRAFTING_LOOKAHEAD
 
@@ -107,9 +106,7 @@ def parse_sampling(msg: pb.SamplingParams, where: str = "sampling") -> SamplingP
     if not math.isfinite(msg.top_p) or not 0 <= msg.top_p <= 1:
         raise InvalidRequest(f"{where}.top_p must be in (0, 1] (0 = unset), got {msg.top_p}",
                              field=f"{where}.top_p")
-    if msg.seed > MAX_SEED:
-        raise InvalidRequest(f"{where}.seed must be below 2**63, got {msg.seed}",
-                             field=f"{where}.seed")
+    # seed is a uint64 and every value it can carry is valid (position_seed mixes all 64 bits).
     return SamplingParams(temperature=float(msg.temperature), top_k=int(msg.top_k),
                           top_p=float(msg.top_p) if msg.top_p > 0 else 1.0, seed=int(msg.seed))
 

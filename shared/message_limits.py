@@ -50,7 +50,7 @@ def _largest_start(caps: ProtocolCaps) -> dict:
     top = caps.vocab_size - 1
     return dict(prompt_token_ids=[top] * caps.max_context,
                 sampling=pb.SamplingParams(temperature=1e30, top_k=_UINT32, top_p=1.0,
-                                           seed=2**63 - 1),
+                                           seed=2**64 - 1),
                 max_new_tokens=_UINT32, stop_token_ids=[top] * caps.max_stop_token_ids,
                 ignore_eos=True)
 

@@ -38,7 +38,7 @@ def test_defaults_are_greedy_and_valid() -> None:
     ({"top_p": 1.5}, "top_p"),
     ({"top_p": math.nan}, "top_p"),
     ({"seed": -1}, "seed"),
-    ({"seed": 2**63}, "seed"),
+    ({"seed": 2**64}, "seed"),
 ])
 def test_validate_rejects(fields, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -46,7 +46,7 @@ def test_validate_rejects(fields, match) -> None:
 
 
 def test_validate_accepts_edges() -> None:
-    SamplingParams(temperature=1e-6, top_k=1, top_p=1e-9, seed=2**63 - 1).validate()
+    SamplingParams(temperature=1e-6, top_k=1, top_p=1e-9, seed=2**64 - 1).validate()
     SamplingParams(temperature=1, top_p=1).validate()
 
 

@@ -509,3 +509,20 @@ def test_help_and_version_do_not_import_torch():
     assert out.returncode == 0, out.stderr
     assert "usage: edgespec-verifier" in out.stdout
     assert out.stdout.strip().splitlines()[-1].startswith("edgespec ")
+
+
+def test_every_uint64_seed_is_accepted_and_the_top_bit_counts(stub):
+    """The proto's seed is a uint64: 2**63 and above open like any other seed (a hostile
+    probe once got INVALID_ARGUMENT), and a seed differing only in its top bit is another
+    stream (20 sampled tokens at T = 1 from the random target)."""
+    def sampled(seed: int) -> list[int]:
+        sampling = pb.SamplingParams(temperature=1.0, seed=seed)
+        with SessionCall(stub, open_message(sampling=sampling, first=[])) as call:
+            tokens = list(call.step().token_ids)
+            for round_no in range(1, 20):
+                tokens += call.send(verify_message(round_no)).step().token_ids
+        return tokens
+
+    low, high = sampled(5), sampled(5 + 2**63)
+    assert sampled(2**64 - 1) and high == sampled(5 + 2**63)  # accepted, reproducible
+    assert low != high

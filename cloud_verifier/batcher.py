@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from cloud_verifier import torch_thread
 from cloud_verifier.draft_policy import VerifyCostModel
-from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import ContextTooLong, KVCacheFull, Overloaded
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sessions import Session, short_id
+from cloud_verifier.target_engine import DraftRound, RoundOutcome, TargetEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Ticket:
 
 
 class RoundBatcher:
-    def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
+    def __init__(self, engine: TargetEngine, metrics: VerifierMetrics,
                  max_batch_tokens: int = 512, gather_window_s: float = 0.0,
                  max_queued_rounds: int = 256,
                  evict: Callable[[int, set[str]], None] = lambda nbytes, keep: None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cloud_verifier.engine import NO_DRAFT, DraftRound
+from cloud_verifier.target_engine import NO_DRAFT, DraftRound
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
-from cloud_verifier.engine import DraftRound
 from cloud_verifier.errors import InvalidRequest, RoundOutOfOrder
 from cloud_verifier.lookahead import Lookahead, fresh_drafts
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.rounds import RoundRunner
 from cloud_verifier.session_stream import HALF_CLOSE_GRACE_S, RequestReader, unless_stopped
 from cloud_verifier.sessions import Session
+from cloud_verifier.target_engine import DraftRound
 from cloud_verifier.wire import Limits, parse_lookahead, step_to_pb
 from shared.draft_length import worth_verifying
 from shared.pb import verifier_pb2 as pb

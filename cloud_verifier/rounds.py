@@ -23,7 +23,6 @@ from cloud_verifier.draft_policy import (
     draft_token_cost,
     suggest_draft_len,
 )
-from cloud_verifier.engine import DraftRound, RoundOutcome, VerifierEngine
 from cloud_verifier.errors import (
     Draining,
     InvalidRequest,
@@ -36,6 +35,7 @@ from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.prefix_cache import PrefixCache
 from cloud_verifier.quotas import QuotaExceeded, TenantQuotas, fair_share_victim
 from cloud_verifier.sessions import Session, SessionStore, short_id
+from cloud_verifier.target_engine import DraftRound, RoundOutcome, TargetEngine
 from shared.feature_codec import EncodedFeature
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class _Handle:
 class RoundRunner:
     """Owns the session table, the batcher and the prefix cache of one verifier."""
 
-    def __init__(self, engine: VerifierEngine, config: VerifierConfig,
+    def __init__(self, engine: TargetEngine, config: VerifierConfig,
                  metrics: VerifierMetrics) -> None:
         self.engine = engine
         self.config = config

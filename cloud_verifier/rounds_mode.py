@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cloud_verifier.engine import NO_DRAFT, DraftRound
 from cloud_verifier.errors import InvalidRequest, RoundOutOfOrder
 from cloud_verifier.rounds import RoundResult, RoundRunner
 from cloud_verifier.session_stream import HALF_CLOSE_GRACE_S, RequestReader, unless_stopped
 from cloud_verifier.sessions import Session
+from cloud_verifier.target_engine import NO_DRAFT, DraftRound
 from cloud_verifier.wire import (
     EditParams,
     Limits,

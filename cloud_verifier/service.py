@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import grpc
 
 from cloud_verifier.config import VerifierConfig
-from cloud_verifier.engine import NO_DRAFT, VerifierEngine
 from cloud_verifier.errors import (
     Draining,
     InvalidRequest,
@@ -38,6 +37,7 @@ from cloud_verifier.rounds_mode import RoundsMode
 from cloud_verifier.session_stream import RequestReader
 from cloud_verifier.sessions import Session, short_id
 from cloud_verifier.stream_limits import LiveStreams, guarded
+from cloud_verifier.target_engine import NO_DRAFT, TargetEngine
 from cloud_verifier.wire import (
     ROUNDS,
     Limits,
@@ -63,7 +63,7 @@ class ModelInfo:
 
 
 class VerifierService(pb_grpc.VerifierServiceServicer):
-    def __init__(self, engine: VerifierEngine, config: VerifierConfig, info: ModelInfo,
+    def __init__(self, engine: TargetEngine, config: VerifierConfig, info: ModelInfo,
                  metrics: VerifierMetrics) -> None:
         self.engine = engine
         self.config = config

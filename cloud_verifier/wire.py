@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloud_verifier.engine import NO_DRAFT, DraftRound
 from cloud_verifier.errors import ContextTooLong, FeaturesUnavailable, InvalidRequest
 from cloud_verifier.lookahead import Lookahead
 from cloud_verifier.rounds import RoundResult
 from cloud_verifier.sampling import SamplingParams
+from cloud_verifier.target_engine import NO_DRAFT, DraftRound
 from shared.message_limits import ProtocolCaps
 from shared.pb import verifier_pb2 as pb
 from shared.token_spelling import MAX_CONTINUE_WITH, TokenSpelling

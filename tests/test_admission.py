@@ -14,12 +14,13 @@ from stream_helpers import PROMPT, SessionCall, error_of, open_message, verify_m
 from cloud_verifier.batcher import RoundBatcher
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.draft_policy import VerifyCostModel, expected_tokens, suggest_draft_len
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.errors import Overloaded
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 from shared import errors
 from shared.pb import verifier_pb2_grpc as pb_grpc
 

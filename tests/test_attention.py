@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from cloud_verifier.attention import AttentionPlan, check_attention, default_attention
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_logits
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 
 PROMPTS = [3, 20, 1, 12, 7]
 NEW = [5, 1, 3, 1, 7]  # new tokens per session: mixed K, decode rows among them

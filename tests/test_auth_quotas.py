@@ -18,7 +18,7 @@ from stream_helpers import (
 )
 
 from cloud_verifier.config import VerifierConfig, key_digest
-from cloud_verifier.engine import NO_DRAFT, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.errors import InvalidRequest, TooManySessions
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.quotas import (
@@ -30,6 +30,7 @@ from cloud_verifier.quotas import (
 from cloud_verifier.rounds import RoundRunner
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.server import EmbeddedVerifier, parse_args
+from cloud_verifier.target_engine import NO_DRAFT
 from cloud_verifier.wire import ROUNDS, OpenParams
 from shared import errors
 from shared.pb import verifier_pb2 as pb

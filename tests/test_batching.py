@@ -16,11 +16,12 @@ import torch
 from stream_helpers import SessionCall, open_message, stream_error
 
 from cloud_verifier.config import VerifierConfig
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.packed_forward import Segment, packed_forward, sequential_forward
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.server import EmbeddedVerifier
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 from edge_client.client import EdgeClient, GenerationConfig
 from shared import errors
 from shared.pb import verifier_pb2 as pb

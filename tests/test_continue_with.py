@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.errors import InvalidRequest
 from cloud_verifier.sampling import SamplingParams, target_probs
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 from cloud_verifier.wire import Limits, parse_edit, parse_open
 from shared.pb import verifier_pb2 as pb
 from shared.token_spelling import MAX_CONTINUE_WITH, TokenSpelling

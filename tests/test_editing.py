@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from cloud_verifier.config import VerifierConfig
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.errors import InvalidRequest, RoundOutOfOrder
 from cloud_verifier.metrics import VerifierMetrics
 from cloud_verifier.rounds import RoundRunner
 from cloud_verifier.sampling import SamplingParams, target_probs
 from cloud_verifier.sessions import Session
+from cloud_verifier.target_engine import DraftRound
 from cloud_verifier.wire import ROUNDS, EditParams, OpenParams
 
 GREEDY_SEQUENCES = 480  # with tests/test_document.py's, over 500 random edit sequences

@@ -7,11 +7,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.errors import ContextTooLong
 from cloud_verifier.kv_store import SessionKV
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 
 PROMPT = [1, 17, 42, 5, 63, 8]
 

@@ -23,9 +23,9 @@ from stream_helpers import (
 )
 
 from cloud_verifier.config import VerifierConfig
-from cloud_verifier.engine import NO_DRAFT, DraftRound
 from cloud_verifier.lookahead import Lookahead, fresh_drafts
 from cloud_verifier.server import EmbeddedVerifier
+from cloud_verifier.target_engine import NO_DRAFT, DraftRound
 from cloud_verifier.verification import verify
 from shared import errors
 from shared.draft_length import worth_verifying

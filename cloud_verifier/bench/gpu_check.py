@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 
 from cloud_verifier.attention import ATTENTION, check_attention
-from cloud_verifier.engine import DraftRound, VerifierEngine
+from cloud_verifier.engine import VerifierEngine
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.sessions import SessionStore
+from cloud_verifier.target_engine import DraftRound
 
 log = logging.getLogger(__name__)
 

@@ -236,7 +236,7 @@ def run_together(engine, store, prompt: list[int], runs: list[tuple[object, obje
     """Generations of one prompt, one per (drafter, SamplingParams), each as the client runs
     it, against the verifier's engine in-process. Their rounds are verified together, one
     packed forward per step: the engine's batched results equal sessions run alone."""
-    from cloud_verifier.engine import DraftRound
+    from cloud_verifier.target_engine import DraftRound
 
     sessions = [store.create("bench", params, prompt, max_new_tokens, stop_ids)
                 for _, params in runs]

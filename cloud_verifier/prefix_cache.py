@@ -76,7 +76,7 @@ class PrefixCache:
     def keep(self, owner: str, committed: list[int], kv: SessionKV) -> None:
         """Takes over a closing session's buffer (``committed[:kv.length]`` cached), or frees
         it when it holds nothing or cannot fit in ``max_bytes``."""
-        if kv.length == 0 or kv.nbytes > self.max_bytes:
+        if kv.length == 0 or kv.nbytes > self.max_bytes or self.max_bytes == 0:
             self.store.release(kv)
             return
         tokens = np.asarray(committed[:kv.length], dtype=np.int64)

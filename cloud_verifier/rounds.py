@@ -82,8 +82,10 @@ class RoundRunner:
         self.engine = engine
         self.config = config
         self.metrics = metrics
-        self.prefix_cache = PrefixCache(engine.kv, config.prefix_cache_bytes,
-                                        config.session_ttl_s)
+        # An engine that keeps no KV here (vLLM: its own prefix cache) keeps no prefixes here.
+        self.prefix_cache = PrefixCache(
+            engine.kv, config.prefix_cache_bytes if engine.kv.bytes_per_token else 0,
+            config.session_ttl_s)
         self.store = SessionStore(config.max_sessions, config.session_ttl_s,
                                   on_close=self._retire_kv)
         self.draining = False

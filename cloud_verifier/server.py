@@ -51,6 +51,7 @@ from shared.message_limits import max_reply_bytes, max_request_bytes
 from shared.pb import verifier_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from cloud_verifier.target_engine import TargetEngine
     from cloud_verifier.target_model import LoadedTarget
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,30 @@ def load_served_target(path: str | Path | None = None, device: str | None = None
     return torch_thread.run(load_target, path, device=device, dtype=dtype)
 
 
+def builtin_engine(target: LoadedTarget, config: VerifierConfig, max_context: int
+                   ) -> TargetEngine:
+    """This project's engine on the loaded torch target."""
+    from cloud_verifier.engine import VerifierEngine
+    from cloud_verifier.features import feature_serving
+    from cloud_verifier.packed_forward import packed_weights, supports_packing
+
+    packed = supports_packing(target.model)
+    if packed:  # now, not in the first client's forward
+        torch_thread.run(packed_weights, target.model)
+    # The weights fingerprint once, here: GetInfo only repeats it.
+    features = torch_thread.run(feature_serving, target.model, config.feature_codec,
+                                packed) if config.serve_features else None
+    return VerifierEngine(target.model, target.vocab_size, max_context,
+                          config.kv_budget_bytes, features=features, spelling=target.spelling)
+
+
 class VerifierServer:
     """A running verifier bound to one loaded target."""
 
-    def __init__(self, target: LoadedTarget, config: VerifierConfig) -> None:
-        from cloud_verifier.engine import VerifierEngine
-        from cloud_verifier.features import feature_serving
-        from cloud_verifier.packed_forward import packed_weights, supports_packing
+    def __init__(self, target: LoadedTarget, config: VerifierConfig,
+                 engine: TargetEngine | None = None) -> None:
+        """``engine``: the target's engine (``cloud_verifier.vllm_engine``); None builds the
+        built-in one on ``target.model``."""
         from cloud_verifier.service import ModelInfo, VerifierService
 
         max_context = min(config.max_context or target.max_context, target.max_context)
@@ -83,16 +101,8 @@ class VerifierServer:
         self.keys = KeyRing({**{d: default_tenant(d) for d in config.api_key_digests},
                              **dict(config.api_keys)}, config.api_keys_file)
         self.metrics = VerifierMetrics()
-        packed = supports_packing(target.model)
-        if packed:  # now, not in the first client's forward
-            torch_thread.run(packed_weights, target.model)
-        # The weights fingerprint once, here: GetInfo only repeats it.
-        features = torch_thread.run(feature_serving, target.model, config.feature_codec,
-                                    packed) if config.serve_features else None
         self.service = VerifierService(
-            VerifierEngine(target.model, target.vocab_size, max_context,
-                           config.kv_budget_bytes, features=features,
-                           spelling=target.spelling), config,
+            engine or builtin_engine(target, config, max_context), config,
             ModelInfo(target.name, target.vocab_size, target.tokenizer_fingerprint,
                       tuple(target.eos_token_ids)),
             self.metrics)
@@ -218,8 +228,9 @@ class EmbeddedVerifier:
             client = EdgeClient(verifier.address, ...)
     """
 
-    def __init__(self, target: LoadedTarget, config: VerifierConfig | None = None) -> None:
-        self.server = VerifierServer(target, config or VerifierConfig(port=0))
+    def __init__(self, target: LoadedTarget, config: VerifierConfig | None = None,
+                 engine: TargetEngine | None = None) -> None:
+        self.server = VerifierServer(target, config or VerifierConfig(port=0), engine)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="verifier",
                                         daemon=True)
@@ -251,6 +262,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
     p.add_argument("--model", default=None,
                    help="local Hugging Face causal-LM checkpoint (default: SmolLM2-135M-Instruct "
                         "prepared by edgespec-prepare)")
+    p.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="what runs the target: this project's engine (default) or vLLM "
+                        "(the vllm extra; docs/vllm-engine.md)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="--engine vllm: GPUs the target is split over")
+    p.add_argument("--vllm-block-size", type=int, default=None,
+                   help="--engine vllm: prefix-cache block size (default: 32 on CPUs, where "
+                        "vLLM's own is 128; vLLM's on GPUs); a round prefills at most K + 1 "
+                        "+ one block")
+    p.add_argument("--vllm-kv-cache-gb", type=float, default=None,
+                   help="--engine vllm on CPUs: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="--engine vllm on GPUs: share of GPU memory vLLM may take")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads for the target (default: torch's, one per core)")
@@ -352,6 +376,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Verif
         p.error("--prefix-cache-mb must be >= 0")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.tensor_parallel_size < 1:
+        p.error("--tensor-parallel-size must be >= 1")
+    if args.engine == "vllm" and args.kv_budget_mb is not None:
+        p.error("--kv-budget-mb is the built-in engine's; vLLM sizes its own KV cache "
+                "(--vllm-kv-cache-gb, --gpu-memory-utilization)")
     for flag in ("grace", "drain_notice", "open_timeout", "stalled_reader", "keepalive",
                  "min_client_ping"):
         if not getattr(args, flag) > 0:
@@ -428,8 +457,17 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch_thread.run(torch.set_num_threads, args.threads)
-    target = load_served_target(args.model, device=args.device, dtype=args.dtype)
-    asyncio.run(_serve(VerifierServer(target, config)))
+    if args.engine == "vllm":
+        from cloud_verifier.vllm_engine import VllmSettings, load_vllm_engine
+
+        target, engine = load_vllm_engine(args.model, config.max_context, VllmSettings(
+            dtype=args.dtype or "float32", tensor_parallel_size=args.tensor_parallel_size,
+            block_size=args.vllm_block_size, kv_cache_gb=args.vllm_kv_cache_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization, threads=args.threads))
+    else:
+        target = load_served_target(args.model, device=args.device, dtype=args.dtype)
+        engine = None
+    asyncio.run(_serve(VerifierServer(target, config, engine)))
     return 0
 
 

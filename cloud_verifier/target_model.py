@@ -236,12 +236,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_target(
-    path: str | Path | None = None, device: str | None = None, dtype: str | None = None
-) -> LoadedTarget:
-    """Load a local causal-LM checkpoint (default: the prepared SmolLM2) for verification."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def target_checkpoint(path: str | Path | None = None) -> tuple[Path, str]:
+    """The checkpoint directory and served name of ``path`` (default: the prepared SmolLM2)."""
     if path is None:
         ckpt = paths.default_target_dir()
         if not is_complete_checkpoint(ckpt):
@@ -249,13 +245,42 @@ def load_target(
                 f"no target checkpoint at {ckpt}; run `edgespec-prepare` first "
                 "(or pass a local checkpoint path)"
             )
-        name = DEFAULT_TARGET_NAME
-    else:
-        ckpt = Path(path)
-        if not (ckpt / "config.json").is_file():
-            raise FileNotFoundError(f"no Hugging Face checkpoint (config.json) at {ckpt}")
-        name = ckpt.resolve().name
+        return ckpt, DEFAULT_TARGET_NAME
+    ckpt = Path(path)
+    if not (ckpt / "config.json").is_file():
+        raise FileNotFoundError(f"no Hugging Face checkpoint (config.json) at {ckpt}")
+    return ckpt, ckpt.resolve().name
 
+
+def load_target_metadata(path: str | Path | None = None) -> LoadedTarget:
+    """What the verifier serves about a checkpoint without its weights (an engine such as
+    vLLM loads those itself): tokenizer, vocabulary, context, stop tokens."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    ckpt, name = target_checkpoint(path)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    config = AutoConfig.from_pretrained(ckpt)
+    try:
+        generation = GenerationConfig.from_pretrained(ckpt)
+    except OSError:  # no generation_config.json
+        generation = None
+    return LoadedTarget(
+        model=None, tokenizer=tokenizer, device=torch.device("cpu"),
+        dtype=getattr(config, "dtype", None) or torch.float32, name=name,
+        vocab_size=int(config.vocab_size), max_context=int(config.max_position_embeddings),
+        eos_token_ids=_eos_ids_of(generation, config),
+        tokenizer_fingerprint=vocab_fingerprint(tokenizer.get_vocab()),
+        spelling=spelling_of(tokenizer.backend_tokenizer.to_str())
+        if hasattr(tokenizer, "backend_tokenizer") else None)
+
+
+def load_target(
+    path: str | Path | None = None, device: str | None = None, dtype: str | None = None
+) -> LoadedTarget:
+    """Load a local causal-LM checkpoint (default: the prepared SmolLM2) for verification."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt, name = target_checkpoint(path)
     dev = torch.device(device if device else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = parse_dtype(dtype) if dtype else default_dtype(dev)
 
@@ -297,9 +322,12 @@ def load_target(
 
 
 def _eos_ids(model: Any) -> tuple[int, ...]:
+    return _eos_ids_of(getattr(model, "generation_config", None), model.config)
+
+
+def _eos_ids_of(generation: Any, config: Any) -> tuple[int, ...]:
     ids: list[int] = []
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), model.config.eos_token_id):
+    for source in (getattr(generation, "eos_token_id", None), config.eos_token_id):
         if source is None:
             continue
         for i in source if isinstance(source, (list, tuple)) else [source]:

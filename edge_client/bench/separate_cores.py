@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="drafters to run rounds and lookahead with")
     p.add_argument("--feature-head", type=Path, default=None, metavar="DIR",
                    help="also run rounds and lookahead with this feature head")
+    p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                   help="one more verifier argument, e.g. --verifier-arg=--engine=vllm "
+                        "(repeatable)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
     drafters = list(dict.fromkeys(args.drafters))
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("separate_cores needs two cores")
     prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
     port = local_verifier.free_port()
-    proc = local_verifier.spawn(port, args.model, ["--threads", "1"])
+    proc = local_verifier.spawn(port, args.model, ["--threads", "1", *args.verifier_arg])
     os.sched_setaffinity(proc.pid, {1})
     os.sched_setaffinity(0, {0})
     results: dict[str, list[float]] = {name: [] for name in runs}

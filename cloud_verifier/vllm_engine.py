@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from cloud_verifier.errors import ContextTooLong
 from cloud_verifier.sessions import Session
 from cloud_verifier.target_engine import DraftRound, RoundEngine, RoundOutcome
 
@@ -199,7 +200,7 @@ class VllmEngine(RoundEngine):
         for i, (session, draft) in enumerate(rounds):
             try:
                 self.reserve(session, draft)
-            except Exception as exc:  # ContextTooLong: the ledger never runs out of memory
+            except ContextTooLong as exc:  # the ledger never runs out of memory
                 results[i] = exc
                 continue
             ready.append(i)

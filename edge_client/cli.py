@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the typing benchmark: edgespec-bench ime (same arguments; "
                                 "needs the bench extra)")
     bench.set_defaults(func=cmd_bench_ime)
+    from edge_client.serve.runner import add_serve_args, cmd_serve
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP API and a keyboard demo "
+                                         "page on this device (needs the serve extra)")
+    add_server_args(serve)
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -200,7 +200,8 @@ class _Run:
             raise
         finally:
             counters.active -= 1
-            counters.last_stats = self.extension()
+            counters.last_stats = {"completion_tokens": len(self.generation.token_ids),
+                                   **self.extension()}
 
     @property
     def finish_reason(self) -> str:

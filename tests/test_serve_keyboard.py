@@ -1,0 +1,101 @@
+"""The keyboard demo page of edge-client serve in headless Chromium (Debian's, driven by
+Playwright): typed key by key, a suggestion within 1 s of a key on loopback, Tab accepts
+it, the unverified marker follows the draft-only text, and the page logs no errors.
+
+Under CI (``CI`` set) a missing chromium fails the test: .ci/run installs it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from cloud_verifier.config import VerifierConfig
+from cloud_verifier.server import EmbeddedVerifier
+from edge_client.serve.openai_api import ServeOptions
+from edge_client.serve.runner import ServerThread, build_app
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+SENTENCE = "t5 t6 t7 t8 "
+SUGGESTION_WITHIN_MS = 1000  # loopback, tiny models: the demo's promise
+
+
+def chromium_path() -> str:
+    path = os.environ.get("EDGESPEC_CHROMIUM") or shutil.which("chromium") or \
+        shutil.which("chromium-browser")
+    if path is None:
+        message = "chromium is not installed (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(target, tiny_llama_pair):
+    with EmbeddedVerifier(target, VerifierConfig(port=0, max_sessions=16,
+                                                 max_draft_len=8)) as verifier, \
+            ServerThread(build_app(verifier.address, tiny_llama_pair.draft_dir, {},
+                                   ServeOptions(draft_len=3))) as s:
+        yield s
+
+
+@pytest.fixture()
+def page(server):
+    executable = chromium_path()
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("playwright is not installed (the dev extra)")
+        pytest.skip("playwright is not installed (the dev extra)")
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.base_url + "/")
+            page.wait_for_function("document.getElementById('status').textContent"
+                                   ".startsWith('connected')", timeout=10_000)
+            yield page, errors
+        finally:
+            browser.close()
+
+
+def shown(page) -> tuple[str, str, bool]:
+    return page.evaluate("""() => [document.getElementById('ghost').textContent,
+        document.getElementById('ghost-draft').textContent,
+        document.getElementById('marker').classList.contains('on')]""")
+
+
+def test_typing_gets_suggestions_and_tab_accepts_them(page):
+    page, errors = page
+    page.focus("#input")
+    waits_ms = []
+    for key in SENTENCE:
+        page.keyboard.type(key)
+        if key == " ":  # after a word the user looks for the suggestion
+            t0 = time.perf_counter()
+            page.wait_for_function(
+                "document.getElementById('ghost').textContent.length > 0",
+                timeout=SUGGESTION_WITHIN_MS)
+            waits_ms.append((time.perf_counter() - t0) * 1000)
+        verified, draft_only, marker = shown(page)
+        assert marker == bool(draft_only)  # the marker shows exactly when draft text does
+    assert len(waits_ms) == SENTENCE.count(" ")
+    # Tab takes what is shown; wait for the whole suggestion so that it is what we read.
+    page.wait_for_function("document.getElementById('ghost').dataset.final === 'yes'",
+                           timeout=10_000)
+    verified, draft_only, _ = shown(page)
+    assert verified or draft_only
+    page.keyboard.press("Tab")
+    value = page.input_value("#input")
+    assert value == SENTENCE + verified + draft_only
+    assert page.evaluate("document.activeElement.id") == "input"  # Tab did not move focus
+    assert errors == [], errors

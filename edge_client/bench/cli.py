@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "honest session unchanged")
     add_fuzz_args(fuzz)
     fuzz.set_defaults(func=cmd_fuzz)
+
+    from edge_client.bench.serve_bench import add_serve_bench_args, cmd_serve_bench
+
+    serve = sub.add_parser("serve", help="first-token latency through edge-client serve's "
+                                         "OpenAI API vs the library, and of a follow-up chat "
+                                         "turn (needs the serve extra and openai)")
+    add_serve_bench_args(serve)
+    serve.set_defaults(func=cmd_serve_bench)
     return parser
 
 

@@ -30,11 +30,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from edge_client.combined_drafter import FEATURE, make_drafter
-from edge_client.connection import Backoff, ClientTls, Connection, Deadlines, RetryPolicy
+from edge_client.connection import ClientTls, Connection, Deadlines, RetryPolicy
 from edge_client.core import (
     DRAFT_ONLY,
     FAIL,
@@ -65,9 +64,14 @@ from edge_client.generation_state import (  # noqa: F401 - ProtocolError is API
     SessionParams,
 )
 from edge_client.link import DelayLink, Link
+from edge_client.offline_start import (
+    OFFLINE_AFTER_S,
+    VerifierProbe,
+    draft_until_reached,
+    offline_wait_s,
+)
 from edge_client.rate_chooser import RateChooser
 from edge_client.tokenizer import EdgeTokenizer, TextStream
-from shared.errors import ErrorDetails
 from shared.paths import default_draft_dir
 from shared.pb import verifier_pb2 as pb
 
@@ -114,17 +118,19 @@ class AsyncEdgeClient:
         self._intra_op_threads = intra_op_threads
         # The loaded head and the capability it was checked against.
         self._head: tuple[bytes, FeatureHead] | None = None
+        # Draft-only: reaches an absent verifier in the background (edge_client.offline_start).
+        self.probe = VerifierProbe(self)
 
     async def connect(self) -> AsyncEdgeClient:
         """Asks the verifier what it serves and refuses one with another tokenizer. With
         ``fallback="draft-only"`` an unreachable verifier is not an error: the client comes
-        up with ``info`` None (the draft's tokenizer is local)."""
-        try:
+        up with ``info`` None (the draft's tokenizer is local) after at most
+        ``OFFLINE_AFTER_S``, and keeps asking in the background (``probe``)."""
+        if self.fallback != DRAFT_ONLY:
             await self.refresh_info()
-        except VerifierUnavailable as err:
-            if self.fallback != DRAFT_ONLY:
-                raise
-            log.warning("%s; coming up with the draft alone", err)
+        elif not await self.probe.wait(OFFLINE_AFTER_S):
+            log.warning("the verifier at %s has not answered; coming up with the draft alone",
+                        self.conn.address)
         return self
 
     async def refresh_info(self) -> pb.GetInfoResponse:
@@ -161,6 +167,7 @@ class AsyncEdgeClient:
         return self._head[1]
 
     async def close(self) -> None:
+        await self.probe.close()
         await self.conn.close()
 
     async def __aenter__(self) -> AsyncEdgeClient:
@@ -259,7 +266,11 @@ class AsyncGeneration:
 
     async def _deliveries(self) -> AsyncIterator[Delivery]:
         cfg, client = self.config, self.client
-        await client.reach_verifier(required=cfg.fallback != DRAFT_ONLY)
+        if cfg.fallback == DRAFT_ONLY:
+            # Never longer than the first token's budget: the draft starts alone after it.
+            await client.probe.wait(offline_wait_s(cfg.budget_ms))
+        else:
+            await client.reach_verifier(required=True)
         adaptive = cfg.follow_suggested_draft_len is True
         features = cfg.drafter == FEATURE
         state = GenerationState(self.prompt_ids, cfg.session_params(),
@@ -303,24 +314,18 @@ class AsyncGeneration:
     async def _phases(self, state: GenerationState, propose,
                       rng: np.random.Generator) -> AsyncIterator[Delivery]:
         """Without a verifier yet (a draft-only start): the draft alone, unverified, while
-        the client asks for one with back-off; then the core, whose first rounds verify what
-        the draft proposed alone."""
+        the client's probe asks for one in the background; then the core, whose first
+        rounds verify what the draft proposed alone."""
         client = self.client
         if client.info is None:
-            async for delivery in draft_alone(state, propose, self._stop_ids(), self.stats):
+            async for delivery in draft_until_reached(client.probe, state, propose,
+                                                      self._stop_ids(), self.stats):
                 yield delivery
-            backoff = Backoff(client.conn.retry, rng)
-            away = ErrorDetails(grpc.StatusCode.UNAVAILABLE, None, None,
-                                f"the verifier at {client.conn.address} is unreachable", {})
-            while not await client.reach_verifier():
-                try:
-                    await backoff.wait(away)
-                except VerifierUnavailable:
-                    log.warning("the verifier stayed away; %d tokens stay unverified",
-                                state.num_unverified)
-                    self.stats.unverified_tokens = state.num_unverified
-                    return
-            self.stats.backoff_s += backoff.waited_s
+            if client.info is None:
+                log.warning("the verifier stayed away; %d tokens stay unverified",
+                            state.num_unverified)
+                self.stats.unverified_tokens = state.num_unverified
+                return
             state.limits = client.limits(self.config.draft_len)
         async with contextlib.aclosing(generate(
                 client.conn, state, propose, self.stats, client.info, rng,

@@ -325,16 +325,18 @@ def unverified_delivery(tokens: list[int]) -> Delivery:
 
 
 async def draft_alone(state: GenerationState, propose: Propose, stop_ids: frozenset[int],
-                       stats: GenerationStats) -> AsyncIterator[Delivery]:
+                       stats: GenerationStats,
+                       until: Callable[[], bool] | None = None) -> AsyncIterator[Delivery]:
     """The draft-only fallback: the round that was lost becomes unverified (it was drafted
     after the committed text), then the draft proposes alone, a round's worth at a time,
-    until the generation's room is used or it proposes a stop token."""
+    until the generation's room is used, it proposes a stop token, or ``until()`` (checked
+    between proposals: the verifier is back) is true."""
     lost, state.pending = state.pending, None
     if lost is not None and lost.tokens and state.unverified is None:
         state.add_unverified(cut_at_stop(lost, stop_ids))
         stats.drafted_alone += len(state.unverified.tokens)
         yield unverified_delivery(state.unverified.tokens)
-    while (room := state.unverified_room()) > 0:
+    while (room := state.unverified_room()) > 0 and not (until is not None and until()):
         shown = state.unverified.tokens if state.unverified is not None else []
         if shown and shown[-1] in stop_ids:
             return

@@ -96,7 +96,7 @@ def verifier_address(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationConfig
     from edge_client.connection import ClientTls, RetryPolicy
-    from edge_client.tokenizer import TextStream
+    from edge_client.live_text import LiveText
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -119,16 +119,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             feature_head=args.feature_head) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         chunks = []
-        stream = TextStream(client.tokenizer)
-        for chunk in generation.chunks():  # verified text streams; unverified comes last
+        live = LiveText(client.tokenizer, out)  # unverified text shows at once, marked
+        for chunk in generation.chunks():
             chunks.append({"token_ids": chunk.token_ids, "verified": chunk.verified,
                            "replaces": chunk.replaces})
-            if chunk.verified and (piece := stream.push(chunk.token_ids)):
-                out.write(piece)
-                out.flush()
-        if generation.unverified_ids:
-            out.write(f" [unverified: {client.tokenizer.decode(generation.unverified_ids)}]")
-        out.write("\n")
+            live.push(chunk.token_ids, chunk.verified, chunk.replaces)
+        live.finish()
         stats = generation.stats.to_dict()
         if args.json:
             report = {"text": client.tokenizer.decode(generation.token_ids),

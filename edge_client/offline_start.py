@@ -9,8 +9,8 @@ waits as if there were no fallback. So:
 - one ``VerifierProbe`` per client asks the verifier for GetInfo in the background, with the
   retry policy's back-off, until it answers or the retry budget passes;
 - ``connect()`` and each generation wait for it at most ``OFFLINE_AFTER_S`` (and at most
-  half the generation's latency budget), and only while its first try is still out: once a
-  try has failed the verifier is known away and the draft starts at once;
+  half the generation's latency budget), and only while its first try is still out and no
+  earlier wait ran out: then the verifier is known away and the draft starts at once;
 - ``draft_until_reached`` then drafts alone, stopping between proposals as soon as the probe
   has an answer, so that the core (edge_client.core.generate) verifies the unverified tokens
   as its first drafts and replaces what the target does not accept.
@@ -49,6 +49,9 @@ class VerifierProbe:
         self.client = client
         self._task: asyncio.Task | None = None
         self._first_try: asyncio.Event = asyncio.Event()
+        # A wait for the first try already ran out: the verifier counts as away, and later
+        # waits (the generation after connect()) do not add another.
+        self._waited_out = False
         self.tries = 0
 
     @property
@@ -59,6 +62,7 @@ class VerifierProbe:
         if self.reached or (self._task is not None and not self._task.done()):
             return
         self._first_try = asyncio.Event()
+        self._waited_out = False
         self._task = asyncio.get_running_loop().create_task(self._run(),
                                                             name="edgespec-verifier-probe")
 
@@ -89,10 +93,12 @@ class VerifierProbe:
         probe's first try is still out. Raises what ended the probe if that was not the
         verifier's absence (IncompatibleVerifier, RequestRejected)."""
         self.start()
-        if not self.reached and self._task is not None and timeout_s > 0:
-            with contextlib.suppress(TimeoutError):
+        if not (self.reached or self._waited_out) and self._task is not None and timeout_s > 0:
+            try:
                 async with asyncio.timeout(timeout_s):
                     await self._first_try.wait()
+            except TimeoutError:
+                self._waited_out = True
         self._raise_failure()
         return self.reached
 

@@ -146,6 +146,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from edge_client.chat import cmd_chat as run
+
+    return run(args)
+
+
 def cmd_bench_ime(args: argparse.Namespace) -> int:
     """``edge-client bench-ime ARGS`` runs ``edgespec-bench ime ARGS``: the benchmark lives
     with the others (edge_client.bench, the bench extra) and is imported only here."""
@@ -172,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "('-': stdout, the text then streams to stderr)")
     add_generation_args(gen)
     gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="an interactive multi-turn chat through a verifier")
+    add_server_args(chat)
+    add_generation_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    from edge_client.chat import add_chat_args
+    add_chat_args(chat)
     # Its arguments are edgespec-bench ime's, parsed there (main passes them through).
     bench = sub.add_parser("bench-ime", add_help=False,
                            help="the typing benchmark: edgespec-bench ime (same arguments; "

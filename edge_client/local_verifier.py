@@ -35,7 +35,9 @@ def spawn(port: int, model: str | None = None, extra: list[str] | None = None
            "--port", str(port), "--log-level", "WARNING", "--drain-notice", "0.2"]
     if model:
         cmd += ["--model", str(model)]
-    return subprocess.Popen(cmd + list(extra or ()))
+    # Its own session: a Ctrl-C at the terminal (edge-client chat cancels an answer with
+    # it) must not reach the verifier too; the parent stops it (``stop``).
+    return subprocess.Popen(cmd + list(extra or ()), start_new_session=True)
 
 
 def wait_serving(address: str, proc: subprocess.Popen,

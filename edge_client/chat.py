@@ -109,6 +109,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from edge_client.cli import verifier_address
     from edge_client.client import EdgeClient, GenerationConfig
     from edge_client.connection import ClientTls, RetryPolicy, document_routing_key
+    from edge_client.offline_start import offline_wait_s
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("edge-client: --tls-cert and --tls-key go together")
@@ -116,6 +117,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise SystemExit("edge-client: --drafter feature and --feature-head DIR go together")
     if args.max_new_tokens < 1:
         raise SystemExit("edge-client: --max-new-tokens must be >= 1")
+    if args.budget_ms is not None and not args.budget_ms > 0:
+        raise SystemExit("edge-client: --budget-ms must be > 0")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, draft_len=args.draft_len, drafter=args.drafter,
@@ -126,7 +129,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             address, args.draft_dir, api_key=args.api_key, tls=tls, insecure=args.insecure,
             rtt_ms=args.rtt_ms, protocol=args.protocol, fallback=args.fallback,
             retry=RetryPolicy(budget_s=args.retry_budget_s),
-            feature_head=args.feature_head) as client:
+            feature_head=args.feature_head,
+            offline_after_s=offline_wait_s(args.budget_ms)) as client:
         chat = Chat(client, config, Conversation(client.tokenizer, args.system),
                     document_routing_key(secrets.token_hex(16)))
         return chat.run()

@@ -97,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationConfig
     from edge_client.connection import ClientTls, RetryPolicy
     from edge_client.live_text import LiveText
+    from edge_client.offline_start import offline_wait_s
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -116,7 +117,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             address, args.draft_dir, api_key=args.api_key, tls=tls, insecure=args.insecure,
             rtt_ms=args.rtt_ms, protocol=args.protocol, fallback=args.fallback,
             retry=RetryPolicy(budget_s=args.retry_budget_s),
-            feature_head=args.feature_head) as client:
+            feature_head=args.feature_head,
+            offline_after_s=offline_wait_s(args.budget_ms)) as client:
         generation = client.generate(args.prompt, config, chat=not args.raw)
         chunks = []
         live = LiveText(client.tokenizer, out)  # unverified text shows at once, marked

@@ -95,11 +95,16 @@ class AsyncEdgeClient:
                  rtt_ms: float = 0.0, link: Link | None = None,
                  intra_op_threads: int | None = None, tls: ClientTls | None = None,
                  insecure: bool = False, fallback: str = FAIL,
-                 feature_head: str | Path | None = None) -> None:
+                 feature_head: str | Path | None = None,
+                 offline_after_s: float = OFFLINE_AFTER_S) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}")
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}")
+        if not offline_after_s >= 0:
+            raise ValueError("offline_after_s must be >= 0")
+        # Draft-only: how long connect() waits for a verifier that has not answered.
+        self.offline_after_s = offline_after_s
         # DRAFT_ONLY: connect() comes up without a verifier it cannot reach (info None);
         # documents then suggest with the draft alone until one answers (refresh_info).
         self.fallback = fallback
@@ -125,10 +130,10 @@ class AsyncEdgeClient:
         """Asks the verifier what it serves and refuses one with another tokenizer. With
         ``fallback="draft-only"`` an unreachable verifier is not an error: the client comes
         up with ``info`` None (the draft's tokenizer is local) after at most
-        ``OFFLINE_AFTER_S``, and keeps asking in the background (``probe``)."""
+        ``offline_after_s`` (0.5 s by default), and keeps asking in the background (``probe``)."""
         if self.fallback != DRAFT_ONLY:
             await self.refresh_info()
-        elif not await self.probe.wait(OFFLINE_AFTER_S):
+        elif not await self.probe.wait(self.offline_after_s):
             log.warning("the verifier at %s has not answered; coming up with the draft alone",
                         self.conn.address)
         return self

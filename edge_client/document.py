@@ -83,6 +83,7 @@ from edge_client.core import (
     unverified_delivery,
 )
 from edge_client.generation_state import ROUNDS, GenerationState
+from edge_client.offline_start import offline_wait_s
 from edge_client.session_streams import SessionKeeper
 from edge_client.typing_pace import TypingPace
 from shared.token_spelling import TokenSpelling
@@ -343,11 +344,17 @@ class AsyncDocument:
 
     async def _reach_verifier(self) -> bool:
         """Whether the client has its verifier. One that came up without it asks again, once
-        per suggestion; when it answers, its tokenizer is checked (IncompatibleVerifier) and
-        the document's state takes its limits. Unreachable: False with the draft-only
-        fallback, else VerifierUnavailable."""
+        per suggestion (draft-only: through its background probe); when it answers, its
+        tokenizer is checked (IncompatibleVerifier) and the document's state takes its
+        limits. Unreachable: False with the draft-only fallback, else VerifierUnavailable."""
         client = self.client
-        if not await client.reach_verifier(required=self.config.fallback != DRAFT_ONLY):
+        if self.config.fallback == DRAFT_ONLY:
+            # The client's probe asks in the background; a suggestion waits for it at most
+            # the offline wait (edge_client.offline_start), never a GetInfo deadline.
+            reached = await client.probe.wait(offline_wait_s(self.config.budget_ms))
+        else:
+            reached = await client.reach_verifier(required=True)
+        if not reached:
             return False
         if self._offline and self._state is not None:
             self._state.limits = client.limits(self.config.draft_len)

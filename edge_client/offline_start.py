@@ -8,9 +8,11 @@ waits as if there were no fallback. So:
 
 - one ``VerifierProbe`` per client asks the verifier for GetInfo in the background, with the
   retry policy's back-off, until it answers or the retry budget passes;
-- ``connect()`` and each generation wait for it at most ``OFFLINE_AFTER_S`` (and at most
-  half the generation's latency budget), and only while its first try is still out and no
-  earlier wait ran out: then the verifier is known away and the draft starts at once;
+- ``connect()``, each generation and each document suggestion ask it for a try at once
+  (cutting its back-off short) and wait for that try at most ``OFFLINE_AFTER_S`` (and at
+  most half their latency budget). A refused connection fails the try at once, so the draft
+  starts at once; a try that hangs (a silent verifier) is waited for once, not by every
+  later request while it is out;
 - ``draft_until_reached`` then drafts alone, stopping between proposals as soon as the probe
   has an answer, so that the core (edge_client.core.generate) verifies the unverified tokens
   as its first drafts and replaces what the target does not accept.
@@ -42,17 +44,21 @@ OFFLINE_AFTER_S = 0.5
 
 class VerifierProbe:
     """Reaches the client's verifier in the background: GetInfo (``client.refresh_info``,
-    which sets ``client.info``) until it answers, with back-off between tries. Past the
-    retry budget it ends with VerifierUnavailable; ``start()`` then begins a new one."""
+    which sets ``client.info``) until it answers, with back-off between tries. A caller that
+    waits (``wait``) cuts the back-off short: its try starts at once, as a GetInfo of its
+    own did before the probe. Past the retry budget the probe ends with VerifierUnavailable;
+    ``start()`` then begins a new one."""
 
     def __init__(self, client) -> None:
         self.client = client
         self._task: asyncio.Task | None = None
-        self._first_try: asyncio.Event = asyncio.Event()
-        # A wait for the first try already ran out: the verifier counts as away, and later
-        # waits (the generation after connect()) do not add another.
-        self._waited_out = False
-        self.tries = 0
+        self._wake = asyncio.Event()  # a waiter wants a try now, not after the back-off
+        self._changed = asyncio.Event()  # set (and replaced) when a try ends
+        self.tries = 0  # tries started
+        self.tries_done = 0
+        # The try whose wait already ran out (a silent verifier's try hangs for gRPC's
+        # connection attempt): later waits for that same try do not wait again.
+        self._waited_out_try = 0
 
     @property
     def reached(self) -> bool:
@@ -61,8 +67,6 @@ class VerifierProbe:
     def start(self) -> None:
         if self.reached or (self._task is not None and not self._task.done()):
             return
-        self._first_try = asyncio.Event()
-        self._waited_out = False
         self._task = asyncio.get_running_loop().create_task(self._run(),
                                                             name="edgespec-verifier-probe")
 
@@ -72,33 +76,57 @@ class VerifierProbe:
         backoff = Backoff(client.conn.retry, np.random.default_rng())
         away = ErrorDetails(grpc.StatusCode.UNAVAILABLE, None, None,
                             f"the verifier at {client.conn.address} is unreachable", {})
+        first = True
         try:
             while True:
                 self.tries += 1
+                self._wake.clear()
                 try:
                     await client.refresh_info()
                     log.info("the verifier at %s answered after %d tries",
                              client.conn.address, self.tries)
                     return
                 except VerifierUnavailable as err:
-                    if self.tries == 1:
+                    if first:
                         log.warning("%s; the draft suggests alone until it answers", err)
-                self._first_try.set()
-                await backoff.wait(away)  # VerifierUnavailable past the retry budget
+                    first = False
+                finally:
+                    self.tries_done += 1
+                    self._changed.set()
+                    self._changed = asyncio.Event()
+                await self._pause(backoff, away)
         finally:
-            self._first_try.set()
+            self._changed.set()
+
+    async def _pause(self, backoff: Backoff, away: ErrorDetails) -> None:
+        """The back-off before the next try, cut short by a waiter; VerifierUnavailable
+        past the retry budget."""
+        sleep = asyncio.ensure_future(backoff.wait(away))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait([sleep, woken], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (sleep, woken):
+                task.cancel()
+            await asyncio.gather(sleep, woken, return_exceptions=True)
+        if sleep.done() and not sleep.cancelled() and sleep.exception() is not None:
+            raise sleep.exception()
 
     async def wait(self, timeout_s: float) -> bool:
-        """Whether the verifier has answered, waiting for it at most ``timeout_s`` while the
-        probe's first try is still out. Raises what ended the probe if that was not the
-        verifier's absence (IncompatibleVerifier, RequestRejected)."""
+        """Whether the verifier has answered, after a try that starts now (or the one out),
+        waited for at most ``timeout_s``; not waited for again once a wait for it ran out.
+        Raises what ended the probe if that was not the verifier's absence
+        (IncompatibleVerifier, RequestRejected)."""
         self.start()
-        if not (self.reached or self._waited_out) and self._task is not None and timeout_s > 0:
+        want = self.tries_done + 1
+        if not self.reached and want != self._waited_out_try and timeout_s > 0:
+            self._wake.set()
             try:
                 async with asyncio.timeout(timeout_s):
-                    await self._first_try.wait()
+                    while not (self.reached or self.tries_done >= want or self._task.done()):
+                        await self._changed.wait()
             except TimeoutError:
-                self._waited_out = True
+                self._waited_out_try = want
         self._raise_failure()
         return self.reached
 

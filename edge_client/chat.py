@@ -10,8 +10,8 @@ routing key, so that a gateway sends them all to the replica holding that cache.
 
 Commands: ``/reset`` (forget the conversation), ``/stats`` (speculative statistics of the
 last answer and of the chat), ``/quit``. Ctrl-C cancels the answer in progress (the
-verifier's session closes at once) and keeps what was shown as the answer; at the prompt,
-Ctrl-C twice in a row or Ctrl-D leaves.
+verifier's session closes at once) and keeps what was shown as the answer; a Ctrl-C at the
+prompt right after that, or two in a row there, or Ctrl-D, leaves.
 """
 
 from __future__ import annotations
@@ -174,7 +174,12 @@ class Chat:
                 if self.command(line):
                     return 0
                 continue
-            self.answer(line)
+            try:
+                # A Ctrl-C right after an answer was cancelled is the "second" one: it leaves.
+                interrupted = not self.answer(line)
+            except KeyboardInterrupt:  # between the answer's end and the next prompt
+                print("\n[cancelled]", flush=True)
+                interrupted = True
 
     def _target(self) -> str:
         info = self.client.info
@@ -196,7 +201,8 @@ class Chat:
             print(f"unknown command {name}; {HELP}", flush=True)
         return False
 
-    def answer(self, question: str) -> None:
+    def answer(self, question: str) -> bool:
+        """Streams the answer to ``question``; False when Ctrl-C cancelled it."""
         from edge_client.live_text import LiveText
 
         client = self.client
@@ -216,13 +222,16 @@ class Chat:
                 generation.cancel()
             live.finish()
             print("[cancelled]", flush=True)
+            completed = False
         except EdgeError as err:
             live.finish()
             print(f"[error: {type(err).__name__}: {err}]", flush=True)
             self.conversation.forget_last_question()
-            return
+            return True
         else:
             live.finish()
+            completed = True
         if generation is not None:
             self.stats.add(generation.stats.to_dict())
         self.conversation.answered(live.text)
+        return completed

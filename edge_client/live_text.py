@@ -19,6 +19,7 @@ from typing import TextIO
 from edge_client.tokenizer import EdgeTokenizer, TextStream
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+_TAIL = 8
 
 
 class LiveText:
@@ -28,6 +29,7 @@ class LiveText:
         self.tty = out.isatty() if tty is None else tty
         self._verified = TextStream(tokenizer)
         self._unverified: list[int] = []
+        self._tail: list[int] = []  # the last verified tokens (_show_unverified)
         self._shown = ""  # the unverified text on screen (or in the open transcript bracket)
         self._col = 0  # the cursor's column before the unverified text (terminal only)
         self._width = max(1, shutil.get_terminal_size((80, 24)).columns)
@@ -38,6 +40,7 @@ class LiveText:
         if replaces:
             del self._unverified[max(0, len(self._unverified) - replaces):]
         if verified:
+            self._tail = (self._tail + list(token_ids))[-_TAIL:]
             piece = self._verified.push(token_ids)
             if replaces or (piece and self._shown):
                 kept = self._unverified
@@ -67,7 +70,10 @@ class LiveText:
         self._col = _column_after(self._col, piece, self._width)
 
     def _show_unverified(self) -> None:
-        text = self.tokenizer.decode(self._unverified)
+        # Decoded after the last verified tokens: a tokenizer may put the space between
+        # two tokens into the later one only when it has an earlier one.
+        tail = self._tail
+        text = self.tokenizer.decode(tail + self._unverified)[len(self.tokenizer.decode(tail)):]
         if text == self._shown:
             return
         if self.tty:

@@ -151,5 +151,5 @@ def test_live_text_transcript_marks_and_replaces_unverified(tiny_llama_pair):
     live.push([6, 7], verified=False)
     live.push([6, 8], verified=True, replaces=2)
     live.finish()
-    assert "".join(out.parts) == "t5 [unverified: t6 t7]  t6 t8\n"
+    assert "".join(out.parts) == "t5 [unverified:  t6 t7]  t6 t8\n"
     assert live.text == "t5 t6 t8"

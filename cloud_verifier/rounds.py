@@ -39,7 +39,7 @@ from cloud_verifier.target_engine import DraftRound, RoundOutcome, TargetEngine
 from shared.feature_codec import EncodedFeature
 
 if TYPE_CHECKING:
-    from cloud_verifier.wire import EditParams, OpenParams
+    from cloud_verifier.session_params import EditParams, OpenParams
 
 log = logging.getLogger(__name__)
 

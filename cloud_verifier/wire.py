@@ -18,6 +18,7 @@ from cloud_verifier.errors import ContextTooLong, FeaturesUnavailable, InvalidRe
 from cloud_verifier.lookahead import Lookahead
 from cloud_verifier.rounds import RoundResult
 from cloud_verifier.sampling import SamplingParams
+from cloud_verifier.session_params import EditParams, OpenParams
 from cloud_verifier.target_engine import NO_DRAFT, DraftRound
 from shared.message_limits import ProtocolCaps
 from shared.pb import verifier_pb2 as pb
@@ -51,32 +52,6 @@ class Limits:
     def caps(self) -> ProtocolCaps:
         return ProtocolCaps(self.vocab_size, self.max_context, self.max_draft_len,
                             self.max_q_support, self.max_stop_token_ids)
-
-
-@dataclass(frozen=True)
-class OpenParams:
-    prompt: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    drafting: int  # ROUNDS or LOOKAHEAD (a Generate's params say ROUNDS and have no draft)
-    # Rounds: round 0 (NO_DRAFT when unset: one plain step). Lookahead: the first lookahead,
-    # None when unset.
-    first_draft: DraftRound | None
-    editable: bool = False  # serves many suggestions (rounds only)
-    want_feature: bool = False  # each Step carries the target feature (Step.feature)
-    continue_with: bytes = b""  # token healing: the new tokens must begin with these bytes
-
-
-@dataclass(frozen=True)
-class EditParams:
-    """An edit of an editable session's text, starting suggestion ``suggestion``."""
-
-    keep: int
-    append: list[int]
-    suggestion: int
-    max_new_tokens: int
-    continue_with: bytes = b""
 
 
 def _check_token_ids(ids, vocab_size: int, where: str) -> list[int]:

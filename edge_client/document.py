@@ -89,7 +89,8 @@ from edge_client.typing_pace import TypingPace
 from shared.token_spelling import TokenSpelling
 
 if TYPE_CHECKING:
-    from edge_client.client import AsyncEdgeClient, EdgeClient, GenerationConfig
+    from edge_client.document_client import DocumentClient, SyncDocumentClient
+    from edge_client.generation_config import GenerationConfig
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class Suggestion:
 class AsyncDocument:
     """One text field's editing session. No RPC until the first ``suggest``."""
 
-    def __init__(self, client: AsyncEdgeClient, config: GenerationConfig) -> None:
+    def __init__(self, client: DocumentClient, config: GenerationConfig) -> None:
         if client.info is None and client.fallback != DRAFT_ONLY:
             raise RuntimeError("call connect() (or use `async with`) before document()")
         if client.protocol != ROUNDS:
@@ -563,7 +564,7 @@ def _tail(tokenizer, before: list[int], ids: list[int]) -> str:
 class Document:
     """The synchronous facade of an AsyncDocument, on its EdgeClient's event-loop thread."""
 
-    def __init__(self, client: EdgeClient, inner: AsyncDocument) -> None:
+    def __init__(self, client: SyncDocumentClient, inner: AsyncDocument) -> None:
         self._client = client
         self._inner = inner
 

@@ -18,13 +18,13 @@ from edge_client.connection import new_routing_key
 from edge_client.generation_state import GenerationState, ProtocolError
 
 if TYPE_CHECKING:
-    from edge_client.core import _Wire
+    from edge_client.wire import Wire
 
 
 class AttemptStream:
     """The Session stream of one attempt: it ends with the attempt."""
 
-    def __init__(self, wire: _Wire) -> None:
+    def __init__(self, wire: Wire) -> None:
         self.wire = wire
         self.call = wire.session()
 
@@ -48,7 +48,7 @@ class KeptStream:
     a write is cancelled, and cancelling a suggestion (a keystroke) must not end the session.
     """
 
-    def __init__(self, wire: _Wire) -> None:
+    def __init__(self, wire: Wire) -> None:
         self.wire = wire
         self.call = wire.session()
         self.inbox: asyncio.Queue = asyncio.Queue()

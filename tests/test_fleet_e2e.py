@@ -373,7 +373,7 @@ def test_a_fleet_device_and_the_app_client_run_the_same_core(
 
     deliveries: Counter = Counter()
     lost: list[str] = []
-    deliver, wait = core._Wire.deliver, core.Backoff.wait
+    deliver, wait = core.Wire.deliver, core.Backoff.wait
 
     def spy_deliver(self, *args, **kwargs):
         deliveries[who[0]] += 1
@@ -383,7 +383,7 @@ def test_a_fleet_device_and_the_app_client_run_the_same_core(
         lost.append(details.reason or details.code.name)
         return await wait(self, details)
 
-    monkeypatch.setattr(core._Wire, "deliver", spy_deliver)
+    monkeypatch.setattr(core.Wire, "deliver", spy_deliver)
     monkeypatch.setattr(core.Backoff, "wait", spy_wait)
     who = ["fleet"]
     kw = {"clients": 4, "workload": "chat", "duration_s": 120.0, "profile": "none",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge_client.bench.fleet.sweep import points
+from edge_client.bench.fleet.points import points
 
 
 def _style(mode: str) -> str:

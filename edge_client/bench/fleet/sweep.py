@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from edge_client.bench.fleet.config import FleetConfig
+from edge_client.bench.fleet.points import MEDIAN_KEYS, points
 from edge_client.bench.fleet.report import result_line, write_json
 from edge_client.bench.fleet.run import run_fleet_async
 
@@ -36,27 +37,6 @@ log = logging.getLogger(__name__)
 def meets_slo(point: dict, slo_ms: float) -> bool:
     return (point["tpot_ms_p95"] is not None and point["tpot_ms_p95"] <= slo_ms
             and point["requests_failed"] == 0)
-
-
-_MEDIAN_KEYS = ("tokens_per_s", "tpot_ms_p50", "tpot_ms_p95", "tpot_ms_p99", "ttft_ms_p50")
-
-
-def points(runs: list[dict]) -> list[dict]:
-    """One point per (mode, profile, clients): the medians of its windows' figures, and the
-    failed requests of all of them."""
-    groups: dict[tuple[str, str, int], list[dict]] = {}
-    for run in runs:
-        groups.setdefault((run["mode"], run["profile"]["name"], run["clients"]), []).append(
-            run["aggregate"])
-    out = []
-    for (mode, prof, clients), aggs in groups.items():
-        point = {"mode": mode, "profile": prof, "clients": clients, "windows": len(aggs),
-                 "requests_failed": sum(a["requests_failed"] for a in aggs)}
-        for key in _MEDIAN_KEYS:
-            values = [a[key] for a in aggs if a[key] is not None]
-            point[key] = statistics.median(values) if values else None
-        out.append(point)
-    return out
 
 
 def capacity(runs: list[dict], slo_ms: float) -> tuple[dict, dict]:
@@ -69,7 +49,7 @@ def capacity(runs: list[dict], slo_ms: float) -> tuple[dict, dict]:
         figures.setdefault(mode, {}).setdefault(prof, None)
         if meets_slo(point, slo_ms) and point["clients"] > counts[mode][prof]:
             counts[mode][prof] = point["clients"]
-            figures[mode][prof] = {k: point[k] for k in ("clients", "windows", *_MEDIAN_KEYS)}
+            figures[mode][prof] = {k: point[k] for k in ("clients", "windows", *MEDIAN_KEYS)}
     return counts, figures
 
 

@@ -11,8 +11,8 @@ from edge_client.tools.distill.common import as_dirs
 from edge_client.tools.distill.model import ArchConfig
 from edge_client.tools.distill.vocab import VocabMap
 
-if TYPE_CHECKING:  # export imports this module
-    from edge_client.tools.distill.export import ExportConfig
+if TYPE_CHECKING:
+    from edge_client.tools.distill.export_config import ExportConfig
 
 
 def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, results: dict,

@@ -1,21 +1,27 @@
-"""The import rules between the layers, each checked in a fresh interpreter.
+"""The import rules between the layers.
 
-- The device runtime (``edge_client`` but its ``bench`` and ``tools`` subpackages) loads
+The rules are import-linter contracts in pyproject.toml (``[tool.importlinter]``), checked
+on the source, every import statement included (inside functions and under TYPE_CHECKING
+too) and chains through other modules:
+
+- The device runtime (``edge_client`` but its ``bench`` and ``tools`` subpackages) imports
   neither torch nor transformers nor any ``cloud_verifier`` module.
-- ``shared`` loads no torch: both sides use it.
-- The verifier's runtime (``cloud_verifier`` but ``cloud_verifier.bench``) loads no
+- ``shared`` imports neither side, nor torch nor transformers: both sides use it.
+- The verifier's runtime (``cloud_verifier`` but ``cloud_verifier.bench``) imports no
   ``edge_client`` module.
-- Finding the shipped draft is not an import dependency: ``shared.paths`` locates
-  ``edge_client/drafts`` from its own file, without importing ``edge_client``.
+- The runtimes import no benchmark and no offline tool.
+- No cycles between the siblings of any package; and, here, no import cycle between any
+  two modules of the three packages.
 
-Importing a module only runs its top level; a function may import more when it runs. So the
-same rules are also checked on the source: no ``import`` statement anywhere in a runtime
-module (inside functions too) reaches across.
+What the source cannot show is what an external package loads when it is imported (one
+that pulls in torch, say): so the runtimes are also imported, in a fresh interpreter, and
+what got loaded is checked. Finding the shipped draft is not an import dependency:
+``shared.paths`` locates ``edge_client/drafts`` from its own file, without importing
+``edge_client``.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
@@ -80,30 +86,84 @@ def test_runtime_modules_load_nothing_across_the_layers(package):
     assert not bad, f"importing the {package} runtime loads {bad[:20]}"
 
 
-def _runtime_files(package: str) -> list[Path]:
-    skipped = [REPO_ROOT / Path(*s.split(".")) for s in RUNTIME[package]]
-    return [p for p in sorted((REPO_ROOT / package).rglob("*.py"))
-            if not any(p.is_relative_to(s) for s in skipped)
-            and not p.is_relative_to(REPO_ROOT / "shared" / "pb")]
+def test_the_import_contracts_are_kept():
+    """``lint-imports`` (run from the repository root, so it reads this checkout)."""
+    code = ("import sys\nfrom importlinter.cli import lint_imports\n"
+            "sys.exit(lint_imports(no_cache=True, no_logo=True))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
 
 
-def _imported_roots(path: Path) -> set[str]:
-    roots = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            roots |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
+CYCLES = """
+import json, sys
+import grimp
+
+graph = grimp.build_graph(*sys.argv[1:], cache_dir=None)
+print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m))
+                  for m in graph.modules}))
+"""
 
 
-@pytest.mark.parametrize("package", list(RUNTIME))
-def test_no_runtime_source_imports_across_the_layers(package):
-    files = _runtime_files(package)
-    assert files
-    bad = {str(p.relative_to(REPO_ROOT)): sorted(_imported_roots(p) & set(FORBIDDEN[package]))
-           for p in files}
-    assert not {k: v for k, v in bad.items() if v}
+def _cycles(imports: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(imports):
+        if root in index:
+            continue
+        work = [(root, iter(imports[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in imports:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(imports[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycles_finds_a_circle():
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert _cycles({"a": ["b"], "b": [], "c": ["a", "b"]}) == []
+
+
+def test_no_import_cycles_between_modules():
+    """grimp's graph (import-linter's), every import included: across the three packages
+    too, which no single package's acyclic_siblings contract covers."""
+    done = subprocess.run([sys.executable, "-c", CYCLES, *RUNTIME], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    imports = json.loads(done.stdout)
+    assert "edge_client.document" in imports and "cloud_verifier.rounds" in imports
+    assert _cycles(imports) == []
 
 
 def test_the_shipped_draft_is_found_without_importing_edge_client():

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cloud_verifier.target_engine import DraftRound
     from cloud_verifier.sampling import SamplingParams
+    from cloud_verifier.target_engine import DraftRound
 
 
 @dataclass(frozen=True)

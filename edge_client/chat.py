@@ -106,7 +106,7 @@ class Conversation:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from edge_client.cli import verifier_address
+    from edge_client.cli_args import verifier_address
     from edge_client.client import EdgeClient, GenerationConfig
     from edge_client.connection import ClientTls, RetryPolicy, document_routing_key
     from edge_client.offline_start import offline_wait_s

@@ -146,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise SystemExit(f"edge-client serve: needs the serve extra (pip install "
                          f"'edgespec[edge,serve]'): {err}") from None
-    from edge_client.cli import verifier_address
+    from edge_client.cli_args import verifier_address
     from edge_client.connection import ClientTls, RetryPolicy
     from edge_client.serve.openai_api import ServeOptions
 

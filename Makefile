@@ -48,7 +48,8 @@ test: test-vllm
 # The vLLM engine's tests, in the vLLM environment (the target prepared by the main one).
 # Only their file is collected: the vLLM environment lacks the export tools other tests import.
 test-vllm: prepare setup-vllm
-	$(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm_engine.py
+	$(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_gen_data.py \
+		tests/test_gpu_check.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -301,3 +301,11 @@ def test_gen_data_features_are_the_hidden_states_that_decided_each_token(data, t
         np.testing.assert_array_equal(greedy_ids.numpy(), s.topk_ids[:, 0])
     with pytest.raises(ValueError, match="other settings"):
         gen_data(replace(cfg, features=False), _prompts(8))
+
+
+@pytest.mark.parametrize("bad", [dict(engine="vllm", features=True),
+                                 dict(engine="vllm", draft_run=Path("run")),
+                                 dict(engine="sglang"), dict(dtype="bfloat16")])
+def test_gen_data_refuses_settings_its_engine_cannot_honour(bad, tmp_path):
+    with pytest.raises(ValueError, match="engine|dtype"):
+        gen_data(GenConfig(target=None, out=tmp_path / "d", **bad), _prompts(2))

@@ -61,6 +61,12 @@ def parse_args(argv: Sequence[str] | None):
     g.add_argument("--draft-run", type=Path, default=None,
                    help="on-policy data: this training run's draft writes the continuations, "
                         "the target labels them")
+    g.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
+                   help="who runs the target: torch in left-padded batches, or vLLM with "
+                        "continuous batching (needs the vllm extra: .venv-vllm)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --engine vllm: the target's dtype (docs/vllm-engine.md: "
+                        "bfloat16 on CPUs)")
 
     t = sub.add_parser("train", help="distil a draft (resumes from <run-dir>/ckpt.pt)")
     t.add_argument("--run-dir", type=Path, required=True)
@@ -281,7 +287,8 @@ def _run(args) -> int:
                            args.max_new_tokens, args.top_k, args.sample_fraction,
                            args.temperature, args.seed, args.max_prompts, args.threads,
                            *map(int, args.worker.split("/")), draft_run=args.draft_run,
-                           prompts_file=args.prompts_file, features=args.features))
+                           prompts_file=args.prompts_file, features=args.features,
+                           engine=args.engine, dtype=args.dtype))
     elif args.cmd == "gen-prompts":
         from edge_client.tools.distill.magpie import run_cli
 

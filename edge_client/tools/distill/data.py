@@ -54,10 +54,16 @@ class GenConfig:
     # Also record the target's last hidden state at every decision (Sample.features), for
     # drafts conditioned on it. Target-written data only.
     features: bool = False
+    # Who runs the target: the built-in path (torch, left-padded batches) or vLLM (continuous
+    # batching, module data_vllm). Either writes the same shards; the manifest says which.
+    engine: str = "builtin"
+    dtype: str = "float32"  # vLLM's dtype (the built-in path runs the target in float32)
 
 
-def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
-    """Fill ``cfg.out`` with shards; skips shards already written. Returns ``cfg.out``."""
+def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) -> Path:
+    """Fill ``cfg.out`` with shards; skips shards already written. Returns ``cfg.out``.
+    ``vllm_writer``: a running ``data_vllm.VllmWriter`` for ``--engine vllm`` (default: start
+    one)."""
     import torch
 
     from cloud_verifier.target_model import load_target
@@ -69,6 +75,13 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if cfg.features and cfg.draft_run is not None:
         raise ValueError("--features needs target-written data (no --draft-run)")
+    if cfg.engine not in ("builtin", "vllm"):
+        raise ValueError(f"--engine must be builtin or vllm, not {cfg.engine!r}")
+    if cfg.engine == "vllm" and (cfg.features or cfg.draft_run is not None):
+        raise ValueError("--engine vllm writes target-written data without features "
+                         "(no --features, no --draft-run)")
+    if cfg.engine == "builtin" and cfg.dtype != "float32":
+        raise ValueError("--dtype is vLLM's; the built-in path runs the target in float32")
     if prompts is None and cfg.prompts_file is not None:
         prompts = load_prompts_file(cfg.prompts_file)
     elif prompts is None:
@@ -87,13 +100,19 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
     write_json(config, {**jsonable(asdict(cfg)), "num_prompts": len(order),
                         "prompts_sha256": digest})
 
-    target = load_target(cfg.target, device="cpu")
     target_dir = Path(cfg.target) if cfg.target is not None else default_target()
     tok = EdgeTokenizer(target_dir)
-    eos = set(target.eos_token_ids)
-    pad_id = target.eos_token_ids[0]
-    writer = target.model if cfg.draft_run is None else _HeadOnly(*load_run(cfg.draft_run,
-                                                                             cfg.target))
+    if cfg.engine == "vllm":
+        from edge_client.tools.distill.data_vllm import VllmWriter
+
+        target = writer = vllm_writer or VllmWriter.start(cfg.target, cfg.dtype, cfg.threads)
+        eos_ids = writer.eos
+    else:
+        target = load_target(cfg.target, device="cpu")
+        eos_ids = target.eos_token_ids
+        writer = target.model if cfg.draft_run is None else _HeadOnly(
+            *load_run(cfg.draft_run, cfg.target))
+    eos, pad_id = set(eos_ids), eos_ids[0]
 
     n_shards = math.ceil(len(order) / cfg.shard_size)
     total_tokens, t_start = 0, time.perf_counter()
@@ -112,6 +131,14 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         encoded.sort(key=lambda e: len(e[1]))  # less padding per batch
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + shard)
         samples, index, t0, n_tok = [], [], time.perf_counter(), 0
+        if cfg.engine == "vllm":  # vLLM batches the whole shard itself
+            from edge_client.tools.distill.data_vllm import VllmRow
+
+            samples = writer.generate([VllmRow(i, list(ids), s) for i, ids, s in encoded],
+                                      cfg.max_new_tokens, cfg.top_k, cfg.temperature, cfg.seed)
+            index = [e[0] for e in encoded]
+            n_tok = sum(len(r.gen_ids) for r in samples)
+            encoded = []
         for b in range(0, len(encoded), cfg.batch_size):
             batch = encoded[b : b + cfg.batch_size]
             on_policy = writer is not target.model
@@ -130,7 +157,8 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None) -> Path:
         elapsed = time.perf_counter() - t_start
         log.info("wrote %s (%d tokens); this run %d tokens in %.0f s, %.1f tok/s", path.name,
                  n_tok, total_tokens, elapsed, total_tokens / max(elapsed, 1e-9))
-        _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0)
+        _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0,
+                         engine=cfg.engine if cfg.engine == "builtin" else f"vllm-{cfg.dtype}")
     log.info("gen-data done: %d shards in %s", n_shards, out)
     return out
 
@@ -283,10 +311,12 @@ class _HeadOnly:
         return out
 
 
-def _update_manifest(out: Path, name: str, prompts: int, tokens: int, seconds: float) -> None:
+def _update_manifest(out: Path, name: str, prompts: int, tokens: int, seconds: float,
+                     engine: str) -> None:
     path = out / "manifest.json"
     manifest = json.loads(path.read_text()) if path.exists() else {"shards": {}}
-    manifest["shards"][name] = {"prompts": prompts, "tokens": tokens, "seconds": round(seconds, 1)}
+    manifest["shards"][name] = {"prompts": prompts, "tokens": tokens,
+                                "seconds": round(seconds, 1), "engine": engine}
     manifest["total_prompts"] = sum(s["prompts"] for s in manifest["shards"].values())
     manifest["total_tokens"] = sum(s["tokens"] for s in manifest["shards"].values())
     write_json(path, manifest)

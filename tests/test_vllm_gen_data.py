@@ -9,10 +9,9 @@ Under CI a missing vLLM fails.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from conftest import require_vllm
 
 from edge_client.tools.distill.data import GenConfig, gen_data
 from edge_client.tools.distill.prompts import prompt_split
@@ -27,12 +26,7 @@ PROMPTS = 12
 
 @pytest.fixture(scope="module")
 def writer(real_assets):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as err:
-        if os.environ.get("CI"):
-            pytest.fail(f"vLLM is not installed in this environment ({err})")
-        pytest.skip(f"vLLM is not installed ({err}); run `make test-vllm`")
+    require_vllm()
     from edge_client.tools.distill.data_vllm import VllmWriter
 
     return VllmWriter.start(real_assets[0], "float32", threads=0)

@@ -27,6 +27,7 @@ from edge_client.client import GenerationConfig
 log = logging.getLogger(__name__)
 
 SUGGESTION_TOKENS = 8  # a keyboard shows a few words, not a paragraph
+SUBPROTOCOL = "edgespec.keyboard"
 MAX_TEXT_CHARS = 4000  # a text field, not a document: bounds the work one message asks for
 
 
@@ -53,7 +54,9 @@ def _message(raw: str) -> tuple[int, str] | str:
 
 async def keyboard_socket(ws: WebSocket) -> None:
     state = ws.app.state.serve
-    await ws.accept()
+    # The page offers its own protocol name (and maybe its key, which is never echoed).
+    offered = ws.scope.get("subprotocols") or ()
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     opts = state.options
     config = GenerationConfig(max_new_tokens=SUGGESTION_TOKENS, draft_len=opts.draft_len,
                               drafter=opts.drafter, stop_confidence=opts.stop_confidence)

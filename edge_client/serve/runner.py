@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -44,18 +45,42 @@ def check_bind(host: str, https: bool, insecure: bool, api_key: str | None) -> N
                           "device's verifier quota")
 
 
+# A browser cannot set headers on a WebSocket, so the keyboard page sends its key as one of
+# the subprotocols it offers: ``edgespec.bearer.<key>`` (never echoed back by the server).
+BEARER_SUBPROTOCOL = "edgespec.bearer."
+# RFC 6455 subprotocols are RFC 7230 tokens: a key with other characters could not travel.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def check_api_key(api_key: str | None) -> None:
+    if api_key is not None and not _TOKEN.fullmatch(api_key):
+        raise BindRefused("--http-api-key may hold only letters, digits and !#$%&'*+-.^_`|~ "
+                          "(the keyboard page sends it as a WebSocket subprotocol token)")
+
+
+def _presented_key_ok(headers: dict, expected: bytes) -> bool:
+    """The Authorization header, or for a WebSocket the bearer subprotocol entry."""
+    if hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + expected):
+        return True
+    offered = headers.get(b"sec-websocket-protocol", b"").split(b",")
+    prefix = BEARER_SUBPROTOCOL.encode()
+    # Every entry is compared, so the time taken does not say which one was the key.
+    return sum(hmac.compare_digest(entry.strip(), prefix + expected) for entry in offered) > 0
+
+
 def require_key(app, api_key: str | None):
-    """ASGI middleware: ``Authorization: Bearer KEY`` on every HTTP request but the page."""
+    """ASGI middleware: the key on every HTTP request and WebSocket but the page at /."""
     if not api_key:
         return app
     from starlette.responses import JSONResponse
 
-    expected = f"Bearer {api_key}".encode()
+    check_api_key(api_key)
+    expected = api_key.encode()
 
     async def guarded(scope, receive, send):
         if scope["type"] in ("http", "websocket") and scope.get("path", "/") != "/":
-            got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(got, expected):
+            headers = dict(scope.get("headers") or ())
+            if not _presented_key_ok(headers, expected):
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
@@ -85,13 +110,17 @@ class ServerThread:
             openai.OpenAI(base_url=server.base_url + "/v1", api_key="-")
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 ssl_certfile: Path | None = None, ssl_keyfile: Path | None = None) -> None:
         import uvicorn
 
         self.app = app
+        self.scheme = "https" if ssl_certfile else "http"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
                                                     log_level="warning", lifespan="on",
-                                                    ws="websockets-sansio"))
+                                                    ws="websockets-sansio",
+                                                    ssl_certfile=ssl_certfile,
+                                                    ssl_keyfile=ssl_keyfile))
         self._thread = threading.Thread(target=self._run, name="edge-serve", daemon=True)
         self._error: BaseException | None = None
 
@@ -104,7 +133,7 @@ class ServerThread:
     @property
     def base_url(self) -> str:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"{self.scheme}://{host}:{port}"
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
@@ -157,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         raise SystemExit(f"edge-client serve: --port must be in [0, 65535], got {args.port}")
     check_bind(args.host, args.https_cert is not None, args.http_insecure, args.http_api_key)
+    check_api_key(args.http_api_key)
     tls = (ClientTls(args.tls_ca, args.tls_cert, args.tls_key)
            if args.tls_ca or args.tls_cert else None)
     options = ServeOptions(model_id=args.served_model_name, draft_len=args.draft_len,

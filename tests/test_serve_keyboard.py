@@ -6,33 +6,18 @@ Under CI (``CI`` set) a missing chromium fails the test: .ci/run installs it."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 
 import pytest
+from browser import browser_page, wait_for_status
 
 from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
 from edge_client.serve.openai_api import ServeOptions
 from edge_client.serve.runner import ServerThread, build_app
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
 SENTENCE = "t5 t6 t7 t8 "
 SUGGESTION_WITHIN_MS = 1000  # loopback, tiny models: the demo's promise
-
-
-def chromium_path() -> str:
-    path = os.environ.get("EDGESPEC_CHROMIUM") or shutil.which("chromium") or \
-        shutil.which("chromium-browser")
-    if path is None:
-        message = "chromium is not installed (apt-get install chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +31,9 @@ def server(target, tiny_llama_pair):
 
 @pytest.fixture()
 def page(server):
-    executable = chromium_path()
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if os.environ.get("CI"):
-            pytest.fail("playwright is not installed (the dev extra)")
-        pytest.skip("playwright is not installed (the dev extra)")
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.base_url + "/")
-            page.wait_for_function("document.getElementById('status').textContent"
-                                   ".startsWith('connected')", timeout=10_000)
-            yield page, errors
-        finally:
-            browser.close()
+    with browser_page(server.base_url + "/") as (page, errors):
+        wait_for_status(page, "connected")
+        yield page, errors
 
 
 def shown(page) -> tuple[str, str, bool]:

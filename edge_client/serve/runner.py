@@ -58,14 +58,32 @@ def check_api_key(api_key: str | None) -> None:
                           "(the keyboard page sends it as a WebSocket subprotocol token)")
 
 
-def _presented_key_ok(headers: dict, expected: bytes) -> bool:
+def _presented_key_ok(scope, expected: bytes) -> bool:
     """The Authorization header, or for a WebSocket the bearer subprotocol entry."""
+    headers = dict(scope.get("headers") or ())
     if hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + expected):
         return True
-    offered = headers.get(b"sec-websocket-protocol", b"").split(b",")
+    # uvicorn parses every Sec-WebSocket-Protocol header into this list.
+    offered = [entry.encode() for entry in scope.get("subprotocols") or ()]
     prefix = BEARER_SUBPROTOCOL.encode()
     # Every entry is compared, so the time taken does not say which one was the key.
-    return sum(hmac.compare_digest(entry.strip(), prefix + expected) for entry in offered) > 0
+    return sum(hmac.compare_digest(entry, prefix + expected) for entry in offered) > 0
+
+
+async def _refuse_socket(scope, receive, send) -> None:
+    """Accept, then close with 1008 (policy violation) and a reason. A close before the
+    accept would answer the upgrade with HTTP 403, which a page sees as code 1006, the same
+    as an unreachable server; 1008 lets the keyboard page say that the key is missing."""
+    from edge_client.serve.keyboard import SUBPROTOCOL
+
+    if (await receive())["type"] != "websocket.connect":
+        return
+    # A browser that offered subprotocols fails a handshake that picks none.
+    offered = scope.get("subprotocols") or ()
+    await send({"type": "websocket.accept",
+                "subprotocol": SUBPROTOCOL if SUBPROTOCOL in offered else None})
+    await send({"type": "websocket.close", "code": 1008,
+                "reason": "a valid API key is required"})
 
 
 def require_key(app, api_key: str | None):
@@ -79,10 +97,9 @@ def require_key(app, api_key: str | None):
 
     async def guarded(scope, receive, send):
         if scope["type"] in ("http", "websocket") and scope.get("path", "/") != "/":
-            headers = dict(scope.get("headers") or ())
-            if not _presented_key_ok(headers, expected):
+            if not _presented_key_ok(scope, expected):
                 if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
+                    await _refuse_socket(scope, receive, send)
                     return
                 err = ApiError(401, "a valid API key is required (Authorization: Bearer)",
                                code="invalid_api_key")

@@ -52,11 +52,15 @@ def _message(raw: str) -> tuple[int, str] | str:
     return seq, text
 
 
+def chosen_subprotocol(scope) -> str | None:
+    """The page's protocol name when it offered it (beside, maybe, its key, never echoed): a
+    browser that offered subprotocols fails a handshake that picks none."""
+    return SUBPROTOCOL if SUBPROTOCOL in (scope.get("subprotocols") or ()) else None
+
+
 async def keyboard_socket(ws: WebSocket) -> None:
     state = ws.app.state.serve
-    # The page offers its own protocol name (and maybe its key, which is never echoed).
-    offered = ws.scope.get("subprotocols") or ()
-    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    await ws.accept(subprotocol=chosen_subprotocol(ws.scope))
     opts = state.options
     config = GenerationConfig(max_new_tokens=SUGGESTION_TOKENS, draft_len=opts.draft_len,
                               drafter=opts.drafter, stop_confidence=opts.stop_confidence)

@@ -74,14 +74,11 @@ async def _refuse_socket(scope, receive, send) -> None:
     """Accept, then close with 1008 (policy violation) and a reason. A close before the
     accept would answer the upgrade with HTTP 403, which a page sees as code 1006, the same
     as an unreachable server; 1008 lets the keyboard page say that the key is missing."""
-    from edge_client.serve.keyboard import SUBPROTOCOL
+    from edge_client.serve.keyboard import chosen_subprotocol
 
     if (await receive())["type"] != "websocket.connect":
         return
-    # A browser that offered subprotocols fails a handshake that picks none.
-    offered = scope.get("subprotocols") or ()
-    await send({"type": "websocket.accept",
-                "subprotocol": SUBPROTOCOL if SUBPROTOCOL in offered else None})
+    await send({"type": "websocket.accept", "subprotocol": chosen_subprotocol(scope)})
     await send({"type": "websocket.close", "code": 1008,
                 "reason": "a valid API key is required"})
 

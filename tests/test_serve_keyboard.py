@@ -2,6 +2,10 @@
 Playwright): typed key by key, a suggestion within 1 s of a key on loopback, Tab accepts
 it, the unverified marker follows the draft-only text, and the page logs no errors.
 
+The page is warmed up first (one word typed, its suggestion awaited, the field cleared): the
+budget is for a key in a page in use, not for the browser's first paint of the field or the
+document's first session open on a fresh machine.
+
 Under CI (``CI`` set) a missing chromium fails the test: .ci/run installs it."""
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from edge_client.serve.runner import ServerThread, build_app
 
 SENTENCE = "t5 t6 t7 t8 "
 SUGGESTION_WITHIN_MS = 1000  # loopback, tiny models: the demo's promise
+ANY_SUGGESTION = """() => document.getElementById('ghost').textContent.length > 0
+    || document.getElementById('ghost-draft').textContent.length > 0"""
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +39,10 @@ def server(target, tiny_llama_pair):
 def page(server):
     with browser_page(server.base_url + "/") as (page, errors):
         wait_for_status(page, "connected")
+        page.focus("#input")
+        page.keyboard.type("t1 ")
+        page.wait_for_function(ANY_SUGGESTION, timeout=30_000)
+        page.fill("#input", "")
         yield page, errors
 
 
@@ -40,6 +50,19 @@ def shown(page) -> tuple[str, str, bool]:
     return page.evaluate("""() => [document.getElementById('ghost').textContent,
         document.getElementById('ghost-draft').textContent,
         document.getElementById('marker').classList.contains('on')]""")
+
+
+def wait_for_suggestion(page, timeout_ms: int) -> None:
+    """A suggestion shown (verified or marked draft-only); on a timeout, what the page showed
+    and said, so that a failure tells a slow answer from an error or an empty one."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(ANY_SUGGESTION, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        status = page.evaluate("document.getElementById('status').textContent")
+        pytest.fail(f"no suggestion within {timeout_ms} ms of the key for "
+                    f"{page.input_value('#input')!r}: shown {shown(page)}, status {status!r}")
 
 
 def test_typing_gets_suggestions_and_tab_accepts_them(page):
@@ -50,9 +73,7 @@ def test_typing_gets_suggestions_and_tab_accepts_them(page):
         page.keyboard.type(key)
         if key == " ":  # after a word the user looks for the suggestion
             t0 = time.perf_counter()
-            page.wait_for_function(
-                "document.getElementById('ghost').textContent.length > 0",
-                timeout=SUGGESTION_WITHIN_MS)
+            wait_for_suggestion(page, SUGGESTION_WITHIN_MS)
             waits_ms.append((time.perf_counter() - t0) * 1000)
         verified, draft_only, marker = shown(page)
         assert marker == bool(draft_only)  # the marker shows exactly when draft text does

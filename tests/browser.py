@@ -1,56 +1,32 @@
-"""Headless Chromium (Debian's, driven by Playwright) for the keyboard page's tests.
-
-``browser_page(url)`` opens the page and yields it with the list of errors it logged.
-Under CI (``CI`` set) a missing chromium or playwright fails the test: .ci/run installs
-them; elsewhere the test skips.
-"""
+"""The keyboard page's tests open it through edge_client.bench.browser. Under CI (``CI``
+set) a missing chromium or playwright fails the test: .ci/run installs them; elsewhere the
+test skips."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 
 import pytest
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]
+from edge_client.bench.browser import chromium_path, open_page, wait_for_status
+
+__all__ = ["browser_page", "wait_for_status"]
 
 
 def _missing(message: str):
     (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
 
 
-def chromium_path() -> str:
-    path = os.environ.get("EDGESPEC_CHROMIUM") or shutil.which("chromium") or \
-        shutil.which("chromium-browser")
-    if path is None:
-        _missing("chromium is not installed (apt-get install chromium chromium-driver)")
-    return path
-
-
 @contextlib.contextmanager
 def browser_page(url: str):
-    """(page, errors): the page at ``url``, console errors and page exceptions collected."""
+    """(page, errors), as ``open_page``, or the test skips (fails under CI)."""
     executable = chromium_path()
+    if executable is None:
+        _missing("chromium is not installed (apt-get install chromium chromium-driver)")
     try:
-        from playwright.sync_api import sync_playwright
+        import playwright.sync_api  # noqa: F401
     except ImportError:
         _missing("playwright is not installed (the dev extra)")
-    errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page()
-            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url)
-            yield page, errors
-        finally:
-            browser.close()
-
-
-def wait_for_status(page, prefix: str, timeout_ms: int = 10_000) -> None:
-    page.wait_for_function(f"document.getElementById('status').textContent"
-                           f".startsWith({prefix!r})", timeout=timeout_ms)
+    with open_page(url, executable) as opened:
+        yield opened

@@ -7,6 +7,8 @@
     edgespec-bench ime --embedded --profile wifi --duration 60 --json PATH   # typing latency
     edgespec-bench chaos --runs 20 --json PATH  # faults and verifier restarts: 0 tokens lost
     edgespec-bench fuzz --requests 10000 --json PATH  # Hypothesis against a live verifier
+    edgespec-bench serve                   # first token through edge-client serve's HTTP API
+    edgespec-bench keyboard --png PATH     # the keyboard page in chromium, real models
 
 One name per concept on every subcommand: ``--json PATH``, ``--model`` (a target
 checkpoint), ``--draft-dir``, ``--protocol``. The benchmark modules are imported only when
@@ -145,6 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
                                          "turn (needs the serve extra and openai)")
     add_serve_bench_args(serve)
     serve.set_defaults(func=cmd_serve_bench)
+
+    from edge_client.bench.keyboard_page import add_keyboard_args, cmd_keyboard
+
+    keyboard = sub.add_parser("keyboard", help="the keyboard demo page in headless chromium "
+                                               "with the real models: time from a key to "
+                                               "its suggestion, and a screenshot")
+    add_keyboard_args(keyboard)
+    keyboard.set_defaults(func=cmd_keyboard)
     return parser
 
 

@@ -51,10 +51,14 @@ def _first_openai(api, model: str, messages: list[dict], max_tokens: int) -> tup
 
 
 def _first_library(client, prompt: str, config) -> float:
+    # Runs to the end like the openai path: leaving at the first piece would cancel a round
+    # the verifier may still be computing, and the next request (the other path's) would wait
+    # for it.
     t0 = time.perf_counter()
+    first = None
     for _piece in client.generate(prompt, config).text():
-        return time.perf_counter() - t0  # leaving early cancels the rest
-    return float("nan")
+        first = first if first is not None else time.perf_counter() - t0
+    return first if first is not None else float("nan")
 
 
 def _ms(values: list[float]) -> str:

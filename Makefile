@@ -49,7 +49,7 @@ test: test-vllm
 # Only their file is collected: the vLLM environment lacks the export tools other tests import.
 test-vllm: prepare setup-vllm
 	$(VLLM_VENV)/bin/pytest -q -m vllm tests/test_vllm_engine.py tests/test_vllm_gen_data.py \
-		tests/test_gpu_check.py
+		tests/test_vllm_gen_prompts.py tests/test_gpu_check.py
 
 lint: setup
 	$(BIN)/ruff check .

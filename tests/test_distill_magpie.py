@@ -99,6 +99,12 @@ def test_writes_the_three_kinds(target, tmp_path):
     assert [p.kind for p in merged] == ["magpie"] * 5 + ["multiturn"] * 5 + ["ime"] * 5
     saved = json.loads((out / "stats.json").read_text())
     assert saved["stages"]["ime"]["seconds"] > 0 and saved["records"] == 15
+    assert saved["engine"] == "builtin"
+    # Every sampled token counts, a multiturn round's answers included: at least the kept
+    # records' own tokens (10 a user turn at most, here never finished).
+    assert all(saved["stages"][k]["tokens"] >= 5 * 10 for k in ("magpie", "multiturn"))
+    assert saved["stages"]["ime"]["tokens"] > 0
+    assert json.loads((out / "config.json").read_text())["engine"] == "builtin"
 
 
 def test_unfinished_turns_are_dropped(target, tmp_path):
@@ -161,6 +167,38 @@ def test_rerun_with_other_settings_is_refused(target, tmp_path):
     gen_prompts(_cfg(target, out, 0, counts={"ime": 2}), eval_prompts=[])
     with pytest.raises(ValueError, match="temperature"):
         gen_prompts(_cfg(target, out, 0, counts={"ime": 2}, temperature=0.5), eval_prompts=[])
+
+
+def test_another_engine_into_the_same_out_is_refused(target, tmp_path):
+    # Refused before any engine starts: no vLLM needed to see it.
+    out = tmp_path / "p"
+    gen_prompts(_cfg(target, out, 0, counts={"ime": 2}), eval_prompts=[])
+    with pytest.raises(ValueError, match='engine "builtin" \\(not "vllm"\\)'):
+        gen_prompts(_cfg(target, out, 0, counts={"ime": 2}, engine="vllm"), eval_prompts=[])
+    with pytest.raises(ValueError, match="dtype"):
+        gen_prompts(_cfg(target, out, 0, counts={"ime": 2}, engine="vllm", dtype="bfloat16"),
+                    eval_prompts=[])
+    args = ["gen-prompts", "--out", str(out), "--target", str(target), "--ime-count", "2",
+            "--no-progress", "--engine", "vllm"]
+    assert distill_main(args) == 2  # the CLI says it in one line
+
+
+def test_the_built_in_engine_takes_no_vllm_dtype(target, tmp_path):
+    with pytest.raises(ValueError, match="--dtype is vLLM's"):
+        gen_prompts(_cfg(target, tmp_path / "p", 0, counts={"ime": 2}, dtype="bfloat16"),
+                    eval_prompts=[])
+
+
+def test_a_directory_from_before_the_engine_setting_resumes_as_builtin(target, tmp_path):
+    out = tmp_path / "p"
+    gen_prompts(_cfg(target, out, 0, counts={"ime": 2}), eval_prompts=[])
+    config = json.loads((out / "config.json").read_text())
+    del config["engine"], config["dtype"]
+    (out / "config.json").write_text(json.dumps(config))
+    stats = gen_prompts(_cfg(target, out, 0, counts={"ime": 4}), eval_prompts=[])
+    assert stats["stages"]["ime"]["kept"] == 4
+    with pytest.raises(ValueError, match="engine"):
+        gen_prompts(_cfg(target, out, 0, counts={"ime": 4}, engine="vllm"), eval_prompts=[])
 
 
 def test_duplicates_are_dropped(target, tmp_path):

@@ -6,7 +6,7 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
   target writes itself after the chat template's user-turn start (Magpie, arXiv 2406.08464),
   multi-turn follow-ups, and raw-text IME fragments; deduplicated and kept apart from the
   realistic evaluation set (``edge_client.bench.eval_set``); ``gen-data --prompts-file``
-  continues them.
+  continues them. ``--engine vllm`` samples them on vLLM (``magpie_vllm``).
 - ``data`` (``gen-data``): the target continues the distillation prompts and records, for
   every generated token, the top-k ids and log-probabilities of its distribution p at
   temperature 1, one ``shard-NNNNN.npz`` (``shards``) per ``--shard-size`` prompts; with

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
+from edge_client.tools.distill.common import add_engine_arguments
 from edge_client.tools.distill.prompts import SPLITS
 
 log = logging.getLogger("edgespec.distill")
@@ -61,12 +62,7 @@ def parse_args(argv: Sequence[str] | None):
     g.add_argument("--draft-run", type=Path, default=None,
                    help="on-policy data: this training run's draft writes the continuations, "
                         "the target labels them")
-    g.add_argument("--engine", choices=["builtin", "vllm"], default="builtin",
-                   help="who runs the target: torch in left-padded batches, or vLLM with "
-                        "continuous batching (needs the vllm extra: .venv-vllm)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="with --engine vllm: the target's dtype (docs/vllm-engine.md: "
-                        "bfloat16 on CPUs)")
+    add_engine_arguments(g)
 
     t = sub.add_parser("train", help="distil a draft (resumes from <run-dir>/ckpt.pt)")
     t.add_argument("--run-dir", type=Path, required=True)

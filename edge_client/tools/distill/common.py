@@ -1,4 +1,5 @@
-"""Small helpers the distillation stages share: JSON files, the target's config, data dirs."""
+"""Small helpers the distillation stages share: JSON files, the target's config, data dirs,
+the choice of engine that runs the target."""
 
 from __future__ import annotations
 
@@ -8,6 +9,36 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+# Who runs the target in the stages that generate (gen-data, gen-prompts): torch in
+# left-padded batches, or vLLM's continuous batching (the vllm extra, .venv-vllm).
+ENGINES = ("builtin", "vllm")
+VLLM_DTYPES = ("float32", "bfloat16")
+
+
+def add_engine_arguments(parser) -> None:
+    """``--engine`` and ``--dtype``, the same for every stage that generates."""
+    parser.add_argument("--engine", choices=ENGINES, default="builtin",
+                        help="who runs the target: torch in left-padded batches, or vLLM with "
+                             "continuous batching (needs the vllm extra: .venv-vllm)")
+    parser.add_argument("--dtype", choices=VLLM_DTYPES, default="float32",
+                        help="with --engine vllm: the target's dtype (docs/vllm-engine.md: "
+                             "bfloat16 on CPUs)")
+
+
+def check_engine(engine: str, dtype: str) -> None:
+    """Refuses an unknown engine, and a dtype the built-in path would silently ignore."""
+    if engine not in ENGINES:
+        raise ValueError(f"--engine must be builtin or vllm, not {engine!r}")
+    if dtype not in VLLM_DTYPES:
+        raise ValueError(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if engine == "builtin" and dtype != "float32":
+        raise ValueError("--dtype is vLLM's; the built-in path runs the target in float32")
+
+
+def engine_label(engine: str, dtype: str) -> str:
+    """What a manifest or stats file says wrote the data: builtin, vllm-float32, ..."""
+    return engine if engine == "builtin" else f"{engine}-{dtype}"
 
 
 def as_dirs(data) -> list[Path]:

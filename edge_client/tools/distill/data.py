@@ -20,7 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.tools.distill.common import default_target, jsonable, write_json
+from edge_client.tools.distill.common import (
+    check_engine,
+    default_target,
+    engine_label,
+    jsonable,
+    write_json,
+)
 from edge_client.tools.distill.model import full_vocab_twin, load_run
 from edge_client.tools.distill.prompt_file import encode_prompt, file_digest, load_prompts_file
 from edge_client.tools.distill.prompts import prompt_split
@@ -75,13 +81,10 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) 
     out.mkdir(parents=True, exist_ok=True)
     if cfg.features and cfg.draft_run is not None:
         raise ValueError("--features needs target-written data (no --draft-run)")
-    if cfg.engine not in ("builtin", "vllm"):
-        raise ValueError(f"--engine must be builtin or vllm, not {cfg.engine!r}")
+    check_engine(cfg.engine, cfg.dtype)
     if cfg.engine == "vllm" and (cfg.features or cfg.draft_run is not None):
         raise ValueError("--engine vllm writes target-written data without features "
                          "(no --features, no --draft-run)")
-    if cfg.engine == "builtin" and cfg.dtype != "float32":
-        raise ValueError("--dtype is vLLM's; the built-in path runs the target in float32")
     if prompts is None and cfg.prompts_file is not None:
         prompts = load_prompts_file(cfg.prompts_file)
     elif prompts is None:
@@ -158,7 +161,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) 
         log.info("wrote %s (%d tokens); this run %d tokens in %.0f s, %.1f tok/s", path.name,
                  n_tok, total_tokens, elapsed, total_tokens / max(elapsed, 1e-9))
         _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0,
-                         engine=cfg.engine if cfg.engine == "builtin" else f"vllm-{cfg.dtype}")
+                         engine=engine_label(cfg.engine, cfg.dtype))
     log.info("gen-data done: %d shards in %s", n_shards, out)
     return out
 

@@ -41,7 +41,8 @@ def request_seed(seed: int, index: int) -> int:
 
 
 class VllmWriter:
-    """vLLM started once on the target; ``generate`` writes one shard's rows."""
+    """vLLM started once on the target; ``generate`` writes one shard's rows. ``gen-prompts
+    --engine vllm`` (module ``magpie_vllm``) samples its turns on the same object."""
 
     def __init__(self, llm: Any, max_context: int, eos: set[int]) -> None:
         self.llm = llm
@@ -60,24 +61,30 @@ class VllmWriter:
 
     def generate(self, rows: list[VllmRow], max_new_tokens: int, top_k: int,
                  temperature: float, seed: int) -> list[Sample]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = []
-        for r in rows:
-            room = self.max_context - len(r.ids)
-            if room < 1:
-                raise ValueError(f"prompt {r.index} has {len(r.ids)} tokens, no room under "
-                                 f"the context of {self.max_context}")
-            params.append(SamplingParams(
-                max_tokens=min(max_new_tokens, room),
-                temperature=temperature if r.sampled else 0.0,
-                seed=request_seed(seed, r.index) if r.sampled else None,
-                logprobs=top_k, flat_logprobs=True, stop_token_ids=self.eos,
-                ignore_eos=False, detokenize=False, skip_special_tokens=False))
+        params = [self.params(r.ids, max_new_tokens, temperature if r.sampled else 0.0,
+                              request_seed(seed, r.index), self.eos, name=f"prompt {r.index}",
+                              logprobs=top_k, flat_logprobs=True) for r in rows]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=r.ids) for r in rows],
                                     params, use_tqdm=False)
         return [_sample(r, out.outputs[0], top_k) for r, out in zip(rows, outputs, strict=True)]
+
+    def params(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+               stop: list[int], name: str = "a prompt", **extra: Any) -> Any:
+        """vLLM's sampling parameters for one token-id prompt: up to ``max_new_tokens`` (less
+        where the context ends), ``seed`` only when sampled (greedy needs none), stopped by
+        the ``stop`` ids, which come back in the token ids; token ids only, no text."""
+        from vllm import SamplingParams
+
+        room = self.max_context - len(ids)
+        if room < 1:
+            raise ValueError(f"{name} has {len(ids)} tokens, no room under the context of "
+                             f"{self.max_context}")
+        return SamplingParams(
+            max_tokens=min(max_new_tokens, room), temperature=temperature,
+            seed=seed if temperature > 0 else None, stop_token_ids=list(stop),
+            ignore_eos=False, detokenize=False, skip_special_tokens=False, **extra)
 
 
 def _sample(row: VllmRow, completion: Any, top_k: int) -> Sample:

@@ -27,8 +27,15 @@ seed derived from ``--seed``, the kind and r). Accepted records are written in c
 (``chunks/<kind>-NNNNN.jsonl``, atomically, about every ``--chunk-size``); a rerun reads them
 back and continues at the next round, so a run with a larger count extends the same stream and
 never regenerates what exists. ``<kind>.jsonl`` and ``prompts.jsonl`` (all kinds) hold the first
-``count`` records of each stream; ``stats.json`` the counts kept and filtered by reason and the
-wall time per stage. Streams depend on the settings in ``config.json``, which a rerun must keep.
+``count`` records of each stream; ``stats.json`` the counts kept and filtered by reason, the
+wall time and the target tokens sampled per stage. Streams depend on the settings in
+``config.json``, the engine included, which a rerun must keep.
+
+Engines (``--engine``): ``builtin`` samples each round's batch in torch from one generator
+seeded with the round's seed; ``vllm`` (module ``magpie_vllm``, the vllm extra) sends the round's
+requests to vLLM's continuous batching, each request seeded from the round's seed and its place
+in the round. Both implement ``turn_sampling.TurnSampler``; the rounds, the filters, the dedup
+and the overlap check are the same code on both. The two engines write different streams.
 """
 
 from __future__ import annotations
@@ -44,8 +51,15 @@ from dataclasses import asdict, dataclass, field
 from hashlib import sha256
 from pathlib import Path
 
-from edge_client.tools.distill.common import jsonable, write_json
+from edge_client.tools.distill.common import (
+    add_engine_arguments,
+    check_engine,
+    engine_label,
+    jsonable,
+    write_json,
+)
 from edge_client.tools.distill.prompt_file import write_jsonl
+from edge_client.tools.distill.turn_sampling import TurnSampler
 
 log = logging.getLogger("edgespec.distill")
 
@@ -60,7 +74,8 @@ OPENERS = ("I", "I think", "I was", "I just", "I need to", "We", "We should", "M
 _STREAM_FIELDS = ("target", "seed", "batch_size", "temperature", "top_p", "max_user_tokens",
                   "answer_temperature", "max_answer_tokens", "min_words", "max_words",
                   "min_printable", "keep_unfinished", "ime_max_tokens", "ime_min_words",
-                  "ime_max_words", "ime_user_share", "ime_openers", "user_prefix")
+                  "ime_max_words", "ime_user_share", "ime_openers", "user_prefix", "engine",
+                  "dtype")
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,8 @@ class MagpieConfig:
     max_tries: int = 20  # a stage gives up after max_tries * count candidates
     threads: int = 0
     progress: bool = True
+    engine: str = "builtin"  # who samples: torch here, or vLLM (module magpie_vllm)
+    dtype: str = "float32"  # vLLM's dtype (the built-in engine runs the target in float32)
 
 
 @dataclass
@@ -103,6 +120,7 @@ class _Stream:
     chunks: int = 0
     candidates: int = 0
     seconds: float = 0.0
+    tokens: int = 0
     filtered: Counter = field(default_factory=Counter)
 
     def load(self) -> _Stream:
@@ -116,6 +134,7 @@ class _Stream:
             self.chunks, self.next_round = self.chunks + 1, meta["next_round"]
             self.candidates += meta["candidates"]
             self.seconds += meta["seconds"]
+            self.tokens += meta.get("tokens", 0)  # chunks written before tokens were counted
             self.filtered.update(meta["filtered"])
         return self
 
@@ -124,15 +143,16 @@ class _Stream:
         self.seen.add(key)
 
     def flush(self, start: int, first_round: int, candidates: int, filtered: Counter,
-              seconds: float) -> None:
+              seconds: float, tokens: int) -> None:
         meta = {"index": self.chunks, "first_round": first_round, "next_round": self.next_round,
                 "candidates": candidates, "filtered": dict(filtered),
-                "seconds": round(seconds, 3)}
+                "seconds": round(seconds, 3), "tokens": tokens}
         write_jsonl(self.folder / f"{self.kind}-{self.chunks:05d}.jsonl",
                     [{"chunk": meta}, *self.records[start:]])
         self.chunks += 1
         self.candidates += candidates
         self.seconds += seconds
+        self.tokens += tokens
         self.filtered.update(filtered)
 
 
@@ -175,49 +195,44 @@ def repetitive(words: list[str], n: int = 3, min_distinct: float = 0.6) -> bool:
     return len(grams) >= 10 and len(set(grams)) < min_distinct * len(grams)
 
 
-class _Sampler:
-    """The target, its tokenizer and the template facts the three rounds need."""
+class _TorchSampler(TurnSampler):
+    """The built-in engine: the target in torch, one generator per round (``sample_batch``)."""
 
     def __init__(self, cfg: MagpieConfig) -> None:
+        import torch
+
         from cloud_verifier.target_model import load_target
-        from edge_client.tokenizer import EdgeTokenizer
-        from edge_client.tools.distill import turn_sampling as ts
         from edge_client.tools.distill.common import default_target
 
-        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         self.target = load_target(cfg.target, device="cpu")
         target_dir = Path(cfg.target) if cfg.target is not None else default_target()
-        self.tok = tok = EdgeTokenizer(target_dir)
-        self.special = ts.special_ids(target_dir)
-        bos = tok.encode(tok.bos_token) if tok.bos_token else []
-        self.bos = bos[0] if len(bos) == 1 else None
-        self.stop = set(self.target.eos_token_ids) | ts.turn_end_ids(tok, self.special)
+        super().__init__(cfg, target_dir, self.target.eos_token_ids)
         self.pad = self.target.eos_token_ids[0]
-        prefix = cfg.user_prefix if cfg.user_prefix is not None else ts.user_turn_prefix(tok)
-        self.user_ids = ts.prefix_ids(tok, prefix, self.bos)
-        self.user_turn_prefix, self.prefix_ids = ts.user_turn_prefix, ts.prefix_ids
 
-    def sample(self, prompts, max_new: int, temperature: float, gen):
+    def draws(self, seed: int):
+        import torch
+
+        return torch.Generator().manual_seed(seed)
+
+    def sample(self, prompts, max_new: int, temperature: float, draws):
         from edge_client.tools.distill.turn_sampling import sample_batch
 
-        return sample_batch(self.target.model, prompts, stop_ids=self.stop, max_new=max_new,
+        outs = sample_batch(self.target.model, prompts, stop_ids=self.stop, max_new=max_new,
                             temperature=temperature, top_p=self.cfg.top_p, pad_id=self.pad,
-                            gen=gen)
-
-    def user_turns(self, prompts, gen) -> list[tuple[str, list[int], bool]]:
-        outs = self.sample(prompts, self.cfg.max_user_tokens, self.cfg.temperature, gen)
-        return [(self.tok.decode(ids).strip(), ids, done) for ids, done in outs]
+                            gen=draws)
+        self.tokens += sum(len(ids) + done for ids, done in outs)
+        return outs
 
 
 Candidate = tuple[dict, list[str]]  # the record's body, and its texts for the overlap check
 RoundFn = Callable[[int], tuple[list[Candidate], Counter]]
 
 
-def _magpie_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
-    import torch
-
+def _magpie_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
     cfg, reasons, out = s.cfg, Counter(), []
-    gen = torch.Generator().manual_seed(seed)
+    gen = s.draws(seed)
     for text, ids, done in s.user_turns([s.user_ids] * cfg.batch_size, gen):
         why = text_reason(text, ids, done, s.special, cfg, cfg.min_words, cfg.max_words)
         if why:
@@ -238,11 +253,9 @@ def _trim_answer(text: str, finished: bool) -> str:
     return text[:ends[-1].end()]
 
 
-def _multiturn_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
-    import torch
-
+def _multiturn_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
     cfg, reasons = s.cfg, Counter()
-    gen = torch.Generator().manual_seed(seed)
+    gen = s.draws(seed)
     firsts = []
     for text, ids, done in s.user_turns([s.user_ids] * cfg.batch_size, gen):
         why = text_reason(text, ids, done, s.special, cfg, cfg.min_words, cfg.max_words)
@@ -265,7 +278,7 @@ def _multiturn_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
                           {"role": "assistant", "content": answer}])
     if not convs:
         return [], reasons
-    follow = [s.prefix_ids(s.tok, s.user_turn_prefix(s.tok, c), s.bos) for c in convs]
+    follow = [s.follow_up_ids(c) for c in convs]
     out = []
     for conv, (text, ids, done) in zip(convs, s.user_turns(follow, gen), strict=True):
         why = text_reason(text, ids, done, s.special, cfg, cfg.min_words, cfg.max_words)
@@ -279,16 +292,15 @@ def _multiturn_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
     return out, reasons
 
 
-def _ime_round(s: _Sampler, seed: int) -> tuple[list[Candidate], Counter]:
+def _ime_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
     import numpy as np
-    import torch
 
     cfg, reasons, out = s.cfg, Counter(), []
-    gen, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    gen, rng = s.draws(seed), np.random.default_rng(seed)
     from_user = rng.random(cfg.batch_size) < cfg.ime_user_share
     opener = rng.integers(len(cfg.ime_openers), size=cfg.batch_size)
     cut = rng.random(cfg.batch_size)
-    starts = [s.user_ids if u else s.prefix_ids(s.tok, cfg.ime_openers[o], s.bos)
+    starts = [s.user_ids if u else s.start_ids(cfg.ime_openers[o])
               for u, o in zip(from_user, opener, strict=True)]
     outs = s.sample(starts, cfg.ime_max_tokens, cfg.temperature, gen)
     for j, (ids, done) in enumerate(outs):
@@ -331,13 +343,14 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
     return tqdm(total=total, initial=initial, desc=desc, unit="prompt", dynamic_ncols=True)
 
 
-def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: MagpieConfig
-               ) -> float:
-    """Extends ``stream`` to ``want`` records; returns this run's seconds on it."""
+def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: MagpieConfig,
+               sampled: Callable[[], int] = lambda: 0) -> float:
+    """Extends ``stream`` to ``want`` records; returns this run's seconds on it. ``sampled``:
+    the target tokens sampled so far (each chunk records the ones its rounds sampled)."""
     t_run = time.perf_counter()
     bar = _progress(want, min(len(stream.records), want), stream.kind, cfg.progress)
     start, first_round, t0 = len(stream.records), stream.next_round, time.perf_counter()
-    candidates, filtered = 0, Counter()
+    candidates, filtered, tokens0 = 0, Counter(), sampled()
     while len(stream.records) < want:
         if stream.candidates + candidates >= cfg.max_tries * want:
             log.warning("%s: %d candidates gave only %d prompts; stopping (raise --max-tries)",
@@ -363,31 +376,51 @@ def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: Ma
         stream.next_round += 1
         bar.update(min(len(stream.records), want) - min(before, want))
         if len(stream.records) - start >= cfg.chunk_size or len(stream.records) >= want:
-            stream.flush(start, first_round, candidates, filtered, time.perf_counter() - t0)
+            stream.flush(start, first_round, candidates, filtered, time.perf_counter() - t0,
+                         sampled() - tokens0)
             start, first_round, t0 = len(stream.records), stream.next_round, time.perf_counter()
-            candidates, filtered = 0, Counter()
+            candidates, filtered, tokens0 = 0, Counter(), sampled()
     if stream.next_round > first_round:  # the stage gave up between chunks
-        stream.flush(start, first_round, candidates, filtered, time.perf_counter() - t0)
+        stream.flush(start, first_round, candidates, filtered, time.perf_counter() - t0,
+                     sampled() - tokens0)
     bar.close()
     return time.perf_counter() - t_run
 
 
 def _check_config(path: Path, cfg: MagpieConfig) -> None:
+    """Refuses to extend streams made with other settings (another engine's included: the
+    engines sample different streams from the same seeds)."""
     wanted = {k: v for k, v in jsonable(asdict(cfg)).items() if k in _STREAM_FIELDS}
     if path.exists():
         stored = json.loads(path.read_text())
-        diff = [k for k in _STREAM_FIELDS if stored.get(k) != wanted[k]]
+        # Directories written before the engine was a setting were the built-in engine's.
+        defaults = jsonable(asdict(MagpieConfig(Path())))
+        diff = {k: stored.get(k, defaults[k]) for k in _STREAM_FIELDS
+                if stored.get(k, defaults[k]) != wanted[k]}
         if diff:
-            raise ValueError(f"{path.parent} was generated with other {', '.join(diff)}; "
-                             "rerun with the same settings, or use a new --out")
+            detail = ", ".join(f"{k} {json.dumps(old)} (not {json.dumps(wanted[k])})"
+                               for k, old in diff.items())
+            raise ValueError(f"{path.parent} was generated with other {', '.join(diff)}: "
+                             f"{detail}; rerun with the same settings, or use a new --out")
     write_json(path, wanted)
 
 
-def gen_prompts(cfg: MagpieConfig, eval_prompts=None) -> dict:
+def _start_sampler(cfg: MagpieConfig, vllm_writer=None) -> TurnSampler:
+    if cfg.engine == "builtin":
+        return _TorchSampler(cfg)
+    from edge_client.tools.distill.magpie_vllm import VllmTurnSampler
+
+    return VllmTurnSampler(cfg, vllm_writer)
+
+
+def gen_prompts(cfg: MagpieConfig, eval_prompts=None, vllm_writer=None) -> dict:
     """Fills ``cfg.out`` up to ``cfg.counts`` per kind; returns the stats (also stats.json).
-    ``eval_prompts`` are the prompts no record may overlap (default: the whole eval set)."""
+    ``eval_prompts`` are the prompts no record may overlap (default: the whole eval set).
+    ``vllm_writer``: a running ``data_vllm.VllmWriter`` on the target for ``--engine vllm``
+    (default: start one when there is something to sample)."""
     from edge_client.bench.eval_set import load_eval, overlaps
 
+    check_engine(cfg.engine, cfg.dtype)
     out = Path(cfg.out)
     (out / "chunks").mkdir(parents=True, exist_ok=True)
     _check_config(out / "config.json", cfg)
@@ -398,22 +431,18 @@ def gen_prompts(cfg: MagpieConfig, eval_prompts=None) -> dict:
 
     streams = {k: _Stream(k, out / "chunks").load() for k in KINDS}
     todo = [k for k in KINDS if cfg.counts.get(k, 0) > len(streams[k].records)]
-    sampler = None
-    if todo:
-        import torch
-
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        sampler = _Sampler(cfg)
+    sampler = _start_sampler(cfg, vllm_writer) if todo else None
     this_run = dict.fromkeys(KINDS, 0.0)
     for kind in todo:
         fn = _ROUNDS[kind]
         this_run[kind] = _run_stage(streams[kind], cfg.counts[kind],
-                                    lambda seed, fn=fn: fn(sampler, seed), overlapping, cfg)
+                                    lambda seed, fn=fn: fn(sampler, seed), overlapping, cfg,
+                                    lambda: sampler.tokens)
         write_jsonl(out / f"{kind}.jsonl", streams[kind].records[:cfg.counts[kind]])
     merged = [r for k in KINDS for r in streams[k].records[:cfg.counts.get(k, 0)]]
     write_jsonl(out / "prompts.jsonl", merged)
-    stats = {"stages": {}, "prompts_file": str(out / "prompts.jsonl"), "records": len(merged)}
+    stats = {"stages": {}, "prompts_file": str(out / "prompts.jsonl"), "records": len(merged),
+             "engine": engine_label(cfg.engine, cfg.dtype)}
     for kind in KINDS:
         st = streams[kind]
         stats["stages"][kind] = {
@@ -422,7 +451,10 @@ def gen_prompts(cfg: MagpieConfig, eval_prompts=None) -> dict:
             "generated": len(st.records), "candidates": st.candidates, "rounds": st.next_round,
             "filtered": dict(sorted(st.filtered.items())), "seconds": round(st.seconds, 1),
             "seconds_this_run": round(this_run[kind], 1),
-            "per_minute": round(60 * len(st.records) / st.seconds, 1) if st.seconds else None}
+            "per_minute": round(60 * len(st.records) / st.seconds, 1) if st.seconds else None,
+            # Every target token sampled, the filtered candidates' and the answers' included.
+            "tokens": st.tokens,
+            "tokens_per_s": round(st.tokens / st.seconds, 1) if st.seconds else None}
     write_json(out / "stats.json", stats)
     return stats
 
@@ -434,9 +466,10 @@ def print_stats(stats: dict) -> None:
         reasons = ", ".join(f"{k} {v}" for k, v in st["filtered"].items()) or "none"
         print(f"{kind:9s} {st['kept']}/{st['wanted']} kept; {st['generated']} accepted of "
               f"{st['candidates']} candidates in {st['rounds']} rounds, {st['seconds']:.1f} s "
-              f"({st['seconds_this_run']:.1f} s this run), {st['per_minute'] or 0:.1f}/min; "
+              f"({st['seconds_this_run']:.1f} s this run), {st['per_minute'] or 0:.1f}/min, "
+              f"{st['tokens']} target tokens ({st['tokens_per_s'] or 0:.1f}/s); "
               f"filtered: {reasons}")
-    print(f"{stats['records']} prompts in {stats['prompts_file']}")
+    print(f"{stats['records']} prompts in {stats['prompts_file']} ({stats['engine']})")
 
 
 def add_parser(sub) -> None:
@@ -462,6 +495,7 @@ def add_parser(sub) -> None:
     g.add_argument("--openers", type=Path, default=None,
                    help="IME openers, one a line (default: the built-in list)")
     g.add_argument("--no-progress", action="store_true")
+    add_engine_arguments(g)
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -7,15 +7,18 @@ message, then ``<|im_start|>user\\n``). What follows the marker, if it begins wi
 token, is the end-of-turn token that stops sampling. The same rule gives the prefix of a
 follow-up turn after an answer, so any template works, the tests' trivial one included.
 
-``sample_batch`` is left-padded batched decoding with a KV cache (as ``data`` does), with
-temperature and nucleus (top-p) sampling; finished rows leave the batch, so a batch costs
-about as many forwards as its longest row.
+``TurnSampler`` holds those facts for the rounds of ``magpie`` and leaves the sampling itself
+to an engine: the built-in one (``magpie``) runs ``sample_batch``, left-padded batched decoding
+with a KV cache (as ``data`` does), with temperature and nucleus (top-p) sampling, where
+finished rows leave the batch, so a batch costs about as many forwards as its longest row;
+vLLM's (``magpie_vllm``) batches continuously.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 MARK = "\ue000edgespec-next-turn\ue000"  # private-use characters: no template writes these
 
@@ -68,6 +71,48 @@ def prefix_ids(tok, text: str, fallback: int | None) -> list[int]:
     if fallback is None:
         raise ValueError("the user-turn prefix is empty and the tokenizer has no BOS token")
     return [fallback]
+
+
+class TurnSampler:
+    """The target's tokenizer and the template facts the rounds need, for any engine. An
+    engine implements ``draws`` (a round's randomness, from the round's seed alone) and
+    ``sample``; the rounds call nothing else that samples, so their filters run unchanged on
+    every engine. ``tokens`` counts the target tokens sampled (stop tokens included)."""
+
+    def __init__(self, cfg, target_dir: Path, eos_ids: Sequence[int]) -> None:
+        from edge_client.tokenizer import EdgeTokenizer
+
+        self.cfg = cfg
+        self.tok = tok = EdgeTokenizer(target_dir)
+        self.special = special_ids(target_dir)
+        bos = tok.encode(tok.bos_token) if tok.bos_token else []
+        self.bos = bos[0] if len(bos) == 1 else None
+        self.stop = set(eos_ids) | turn_end_ids(tok, self.special)
+        prefix = cfg.user_prefix if cfg.user_prefix is not None else user_turn_prefix(tok)
+        self.user_ids = prefix_ids(tok, prefix, self.bos)
+        self.tokens = 0
+
+    def draws(self, seed: int) -> Any:
+        """The randomness of one round, handed to each ``sample`` call in it in turn."""
+        raise NotImplementedError
+
+    def sample(self, prompts: Sequence[Sequence[int]], max_new: int, temperature: float,
+               draws: Any) -> list[tuple[list[int], bool]]:
+        """Per prompt: the sampled ids (the stop token left out) and whether a stop token
+        ended them (False: ``max_new`` did); nucleus sampling at ``cfg.top_p``."""
+        raise NotImplementedError
+
+    def start_ids(self, text: str) -> list[int]:
+        """Rendered text to sample after, as token ids (BOS when it encodes to nothing)."""
+        return prefix_ids(self.tok, text, self.bos)
+
+    def follow_up_ids(self, history: Sequence[dict]) -> list[int]:
+        """Where the next user turn after ``history`` starts."""
+        return self.start_ids(user_turn_prefix(self.tok, history))
+
+    def user_turns(self, prompts, draws) -> list[tuple[str, list[int], bool]]:
+        outs = self.sample(prompts, self.cfg.max_user_tokens, self.cfg.temperature, draws)
+        return [(self.tok.decode(ids).strip(), ids, done) for ids, done in outs]
 
 
 def _pick(logits, temperature: float, top_p: float, gen):

@@ -27,8 +27,10 @@ from edge_client.bench.fuzz.target import (
     KV_BUDGET_MB,
     PREFIX_CACHE_MB,
     RSS_SLACK_MB,
+    SERVER_ARGS,
     FuzzTarget,
     HonestSession,
+    server_args,
 )
 from shared import errors
 
@@ -36,6 +38,16 @@ REPO = Path(__file__).resolve().parents[1]
 RSS_BOUND_MB = PREFIX_CACHE_MB + KV_BUDGET_MB + RSS_SLACK_MB
 FUZZ = dict(derandomize=True, database=None, deadline=None,
             suppress_health_check=list(HealthCheck))
+
+
+@pytest.mark.parametrize("engine", [["--engine=vllm"], ["--engine", "vllm"]])
+def test_vllm_target_drops_only_the_builtin_kv_budget(engine):
+    # vLLM refuses --kv-budget-mb (it sizes its own cache); the rest of the limits stay.
+    args = server_args(engine + ["--max-sessions", "4"])
+    assert "--kv-budget-mb" not in args
+    assert args[-len(engine) - 2:] == engine + ["--max-sessions", "4"]
+    assert len(args) == len(SERVER_ARGS) - 2 + len(engine) + 2
+    assert server_args(["--threads=1"]) == SERVER_ARGS + ["--threads=1"]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,9 @@ def add_chaos_args(p: argparse.ArgumentParser) -> None:
                    help="the client's retry budget (plus three verifier start-ups)")
     p.add_argument("--model", default=None, help="the target checkpoint (default: prepared)")
     p.add_argument("--draft-dir", type=Path, default=None)
+    p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                   help="one more edgespec-verifier argument, e.g. --verifier-arg=--engine=vllm "
+                        "(repeatable; given last)")
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -34,7 +37,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     settings = RunSettings(args.draft_dir, args.prompt, args.tokens, args.retry_budget_s)
     report = asyncio.run(run_chaos(args.model, settings, args.scenarios, args.decodings,
-                                   args.runs))
+                                   args.runs, args.verifier_arg))
     print(format_table(report["table"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -44,8 +44,10 @@ GRACE_S = 0.5  # the verifier's shutdown grace: SIGTERM cuts a generation in fli
 class VerifierProcess:
     """One verifier process on a fixed port; a kill or a stop starts a fresh one there."""
 
-    def __init__(self, model: str | None, port: int | None = None) -> None:
+    def __init__(self, model: str | None, port: int | None = None,
+                 extra: list[str] | None = None) -> None:
         self.model = model
+        self.extra = list(extra or ())
         self.port = port or local_verifier.free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc = self._spawn()
@@ -53,7 +55,8 @@ class VerifierProcess:
         self._replacing: threading.Thread | None = None
 
     def _spawn(self):
-        return local_verifier.spawn(self.port, self.model, ["--grace", str(GRACE_S)])
+        return local_verifier.spawn(self.port, self.model,
+                                    ["--grace", str(GRACE_S), *self.extra])
 
     def _replace(self, sig: int) -> None:
         old = self.proc
@@ -197,8 +200,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 async def run_chaos(model: str | None, settings: RunSettings, scenarios: list[str],
-                    decodings: list[str], runs: int) -> dict:
-    verifier = await asyncio.to_thread(VerifierProcess, model)
+                    decodings: list[str], runs: int,
+                    verifier_args: list[str] | None = None) -> dict:
+    verifier = await asyncio.to_thread(VerifierProcess, model, None, verifier_args)
     settings = RunSettings(settings.draft_dir, settings.prompt, settings.tokens,
                            settings.retry_budget_s + 3 * verifier.startup_s)
     try:

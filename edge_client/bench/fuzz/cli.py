@@ -18,6 +18,9 @@ def add_fuzz_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="the target checkpoint (default: prepared)")
     p.add_argument("--draft-dir", type=Path, default=None,
                    help="the honest session's draft (default: shipped)")
+    p.add_argument("--verifier-arg", action="append", default=[], metavar="ARG",
+                   help="one more edgespec-verifier argument, e.g. --verifier-arg=--engine=vllm "
+                        "(repeatable; given last)")
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -27,7 +30,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise SystemExit("edgespec-bench fuzz: --requests must be >= 1")
-    target = FuzzTarget(args.model)
+    target = FuzzTarget(args.model, extra=args.verifier_arg)
     try:
         with HonestSession(target, args.draft_dir, args.prompt) as honest:
             report = run_fuzz(target, any_requests(target.limits, target.api_key),
@@ -35,6 +38,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     finally:
         target.close()
     report["config"] = {"model": args.model, "target": target.info.target_model,
+                        "verifier_args": args.verifier_arg,
                         "verifier_startup_s": round(target.startup_s, 1)}
     for name, held in report["properties"].items():
         print(f"{name:30s} {'held' if held else 'FAILED'}")

@@ -64,10 +64,23 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+def server_args(extra: list[str]) -> list[str]:
+    """SERVER_ARGS then ``extra`` (last, so they override it). vLLM sizes its own KV cache and
+    refuses --kv-budget-mb, so with --engine vllm the built-in engine's budget is left out."""
+    vllm = "--engine=vllm" in extra or any(
+        a == "--engine" and b == "vllm" for a, b in zip(extra, extra[1:], strict=False))
+    base = list(SERVER_ARGS)
+    if vllm:
+        i = base.index("--kv-budget-mb")
+        del base[i:i + 2]
+    return base + extra
+
+
 class FuzzTarget:
     """A verifier process serving ``model`` on a free port, with one API key."""
 
-    def __init__(self, model: str | None, workdir: Path | None = None) -> None:
+    def __init__(self, model: str | None, workdir: Path | None = None,
+                 extra: list[str] | None = None) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="edgespec-fuzz-") if workdir is None \
             else None
         self.workdir = Path(self._tmp.name) if self._tmp else workdir
@@ -79,7 +92,7 @@ class FuzzTarget:
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "WARNING", "--api-keys-file",
-               str(keys), *SERVER_ARGS]
+               str(keys), *server_args(list(extra or ()))]
         if model:
             cmd += ["--model", str(model)]
         self._log = self.log_path.open("wb")

@@ -202,7 +202,7 @@ def format_table(rows: list[dict]) -> str:
 async def run_chaos(model: str | None, settings: RunSettings, scenarios: list[str],
                     decodings: list[str], runs: int,
                     verifier_args: list[str] | None = None) -> dict:
-    verifier = await asyncio.to_thread(VerifierProcess, model, None, verifier_args)
+    verifier = await asyncio.to_thread(VerifierProcess, model, extra=verifier_args)
     settings = RunSettings(settings.draft_dir, settings.prompt, settings.tokens,
                            settings.retry_budget_s + 3 * verifier.startup_s)
     try:

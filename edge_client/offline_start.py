@@ -92,11 +92,17 @@ class VerifierProbe:
                     first = False
                 finally:
                     self.tries_done += 1
-                    self._changed.set()
-                    self._changed = asyncio.Event()
+                    self._signal()
                 await self._pause(backoff, away)
         finally:
-            self._changed.set()
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wakes the waiters of the try that ended. The event is replaced, never left set:
+        a set one would return at once from every later ``wait`` loop, which then spins
+        without yielding, so no task (the next probe's included) and no timeout runs."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _pause(self, backoff: Backoff, away: ErrorDetails) -> None:
         """The back-off before the next try, cut short by a waiter; VerifierUnavailable

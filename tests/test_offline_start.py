@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 from stream_helpers import PROMPT
@@ -18,9 +19,10 @@ from cloud_verifier.config import VerifierConfig
 from cloud_verifier.server import EmbeddedVerifier
 from edge_client.client import AsyncEdgeClient, GenerationConfig
 from edge_client.connection import RetryPolicy
+from edge_client.errors import IncompatibleVerifier
 from edge_client.live_text import LiveText
 from edge_client.local_verifier import free_port
-from edge_client.offline_start import offline_wait_s
+from edge_client.offline_start import VerifierProbe, offline_wait_s
 
 N = 16
 # The product's promise is 1 s from the request to the first suggested token; the draft's
@@ -153,3 +155,44 @@ def test_live_text_transcript_marks_and_replaces_unverified(tiny_llama_pair):
     live.finish()
     assert "".join(out.parts) == "t5 [unverified:  t6 t7]  t6 t8\n"
     assert live.text == "t5 t6 t8"
+
+
+class _RefusingClient:
+    """What VerifierProbe needs of a client, with a verifier that answers GetInfo with a
+    refusal (another tokenizer) on every try."""
+
+    def __init__(self) -> None:
+        self.info = None
+        self.calls = 0
+        self.conn = type("Conn", (), {"retry": RETRY, "address": "127.0.0.1:1"})()
+
+    async def refresh_info(self) -> None:
+        self.calls += 1
+        await asyncio.sleep(0)
+        raise IncompatibleVerifier("another tokenizer")
+
+
+def test_a_wait_after_the_probe_ended_starts_a_new_try_and_does_not_spin():
+    """The probe ended (here with a refusal); the next wait starts a new probe and must let
+    it run. A CI run once hung here: the ended probe left its event set, so the next wait's
+    loop returned from it at once, for ever, and the event loop never ran the new probe nor
+    the wait's own timeout. The waits run in a thread watched from outside, since a spinning
+    event loop can time nothing out itself."""
+    client = _RefusingClient()
+    results: list[str] = []
+
+    async def run():
+        probe = VerifierProbe(client)
+        for _ in range(3):
+            try:
+                await probe.wait(5.0)
+                results.append("reached")
+            except IncompatibleVerifier:
+                results.append("refused")
+        await probe.close()
+
+    worker = threading.Thread(target=asyncio.run, args=(run(),), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    assert not worker.is_alive(), f"the probe's waits hung after {results}"
+    assert results == ["refused"] * 3 and client.calls == 3

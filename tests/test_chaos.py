@@ -116,11 +116,18 @@ def test_every_network_scenario_loses_and_duplicates_nothing(tiny_llama_pair, tm
     for run in range(3):
         # Faults that cut the connection make the client reopen; a short delay does not.
         assert by["delay", run]["reopens"] == 0
-        for name in ("stall", "close", "reset-down", "reset-up", "lost-reply"):
+        for name in ("stall", "close", "reset-down"):
             assert by[name, run]["reopens"] >= 1, by[name, run]
-        # The verifier really answered the round whose reply was lost, and both refusals
-        # happened before a connection got through.
-        assert by["lost-reply", run]["swallowed_replies"] >= 1
+        # Faults on the client's message k+1: a round waits for its answer, so the cut
+        # always costs a reopen. A lookahead draft does not: the verifier decodes on without
+        # it and may have sent all TOKENS before the draft leaves the device (the tiny
+        # target decodes in milliseconds), so the cut can come after the generation ended.
+        if DECODINGS[by["delay", run]["decoding"]][0] == "rounds":
+            for name in ("reset-up", "lost-reply"):
+                assert by[name, run]["reopens"] >= 1, by[name, run]
+            # The verifier really answered the round whose reply was lost.
+            assert by["lost-reply", run]["swallowed_replies"] >= 1
+        # Both refusals happened before a connection got through.
         assert by["refuse", run]["connections"] >= 4
 
 

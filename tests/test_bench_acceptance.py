@@ -166,6 +166,9 @@ def test_report_fields_and_ranges(report):
     assert mv["kl_target_draft_mean"] >= 0
     assert 0 <= mv["tv_mean"] <= 1 and 0 <= mv["tv_sampled_mean"] <= 1
     assert in_unit(mv["greedy_top1_agreement"])
+    # A point mass is accepted with p(d) <= min(1, p(d)/q(d)) at every d: per position
+    # sum q p <= sum min(p, q) (p q <= min(p, q) max(p, q)), so on average too.
+    assert 0 <= mv["expected_sampled_alpha_point_mass"] <= mv["expected_sampled_alpha"] + 1e-9
 
 
 def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path):
@@ -190,6 +193,7 @@ def test_a_draft_that_is_the_target_is_always_accepted(tiny_llama_pair, tmp_path
     assert mv["greedy_top1_agreement"] == 1.0
     assert mv["tv_mean"] < 1e-4 and mv["kl_target_draft_mean"] < 1e-6
     assert mv["tv_sampled_mean"] < 1e-4
+    assert mv["expected_sampled_alpha_point_mass"] <= mv["expected_sampled_alpha"] + 1e-9
     # Sampling with q = p accepts unless u lands within float noise of 1.
     assert report["drafters"]["model"]["sampled"]["alpha"] > 0.95
 

@@ -209,7 +209,10 @@ def draft_trace(model, prompt: list[int], path: list[int]) -> tuple[np.ndarray, 
 
 def distances(target_logits: torch.Tensor, draft_logits: np.ndarray) -> dict[str, list[float]]:
     """Per position: KL(p || q) and TV(p, q) of the raw softmaxes; TV under the sampled mode's
-    shaping (q truncated exactly as the edge samples it); whether the argmaxes agree."""
+    shaping (q truncated exactly as the edge samples it); the acceptance a sampled draft would
+    get verified as a point mass, sum_x q(x) p(x) (p(d) for d ~ q: what a verifier that
+    ignores q, such as vLLM's rejection sampler without draft probabilities, accepts), against
+    1 - TV exactly; whether the argmaxes agree."""
     from cloud_verifier.sampling import SamplingParams, target_probs
     from edge_client.sampling import truncated_distribution
 
@@ -219,15 +222,17 @@ def distances(target_logits: torch.Tensor, draft_logits: np.ndarray) -> dict[str
     kl = (p * (p_log - q_log)).sum(-1)
     tv = 0.5 * (p - q).abs().sum(-1)
     p_s = target_probs(target_logits, SamplingParams(SAMPLED_TEMPERATURE, 0, SAMPLED_TOP_P))
-    tv_s = []
+    tv_s, point_mass = [], []
     for t in range(draft_logits.shape[0]):
         ids, probs = truncated_distribution(draft_logits[t], SAMPLED_TEMPERATURE, 0,
                                             SAMPLED_TOP_P, MAX_SUPPORT)
         q_s = torch.zeros_like(p_s[t], dtype=torch.float64)
         q_s[torch.from_numpy(ids)] = torch.from_numpy(probs).double()
         tv_s.append(0.5 * float((p_s[t].double() - q_s).abs().sum()))
+        point_mass.append(float((p_s[t].double() * q_s).sum()))
     agree = (target_logits.argmax(-1) == torch.from_numpy(draft_logits).argmax(-1)).double()
-    return {"kl": kl.tolist(), "tv": tv.tolist(), "tv_sampled": tv_s, "agree": agree.tolist()}
+    return {"kl": kl.tolist(), "tv": tv.tolist(), "tv_sampled": tv_s,
+            "point_mass_sampled": point_mass, "agree": agree.tolist()}
 
 
 def run_together(engine, store, prompt: list[int], runs: list[tuple[object, object]], k: int,
@@ -359,7 +364,8 @@ class Accumulator:
         self.replay = {(d, k): ReplayCount() for d in DRAFTERS for k in REPLAY_KS}
         self.identical = dict.fromkeys(DRAFTERS, 0)
         self.lookup_drafts = dict.fromkeys(MODES, 0)  # combined: drafts the lookup made
-        self.dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [], "agree": []}
+        self.dist: dict[str, list[float]] = {"kl": [], "tv": [], "tv_sampled": [],
+                                             "point_mass_sampled": [], "agree": []}
         self.draft_steps: list[float] = []
         self.target_steps: list[float] = []
         self.path_tokens = 0
@@ -414,6 +420,7 @@ class Accumulator:
                 "tv_mean": _mean(self.dist["tv"]),
                 "tv_sampled_mean": tv_sampled,
                 "expected_sampled_alpha": None if tv_sampled is None else 1 - tv_sampled,
+                "expected_sampled_alpha_point_mass": _mean(self.dist["point_mass_sampled"]),
                 "greedy_top1_agreement": _mean(self.dist["agree"]),
             },
             "path_tokens": self.path_tokens,

@@ -230,7 +230,8 @@ def format_heldout(report: dict) -> list[str]:
               f"model draft vs target on the greedy path ({mv['positions']} positions): "
               f"KL(p||q) {_f(mv['kl_target_draft_mean'])}, TV {_f(mv['tv_mean'])}, "
               f"TV sampled {_f(mv['tv_sampled_mean'])} (expected sampled alpha "
-              f"{_f(mv['expected_sampled_alpha'])}), top-1 agreement "
+              f"{_f(mv['expected_sampled_alpha'])}; verified as point masses "
+              f"{_f(mv.get('expected_sampled_alpha_point_mass'))}), top-1 agreement "
               f"{_f(mv['greedy_top1_agreement'])}"]
     return lines
 

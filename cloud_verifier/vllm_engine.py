@@ -167,15 +167,17 @@ class VllmEngine(RoundEngine):
         self._params, self._prompt = SamplingParams, TokensPrompt
         self.reruns = 0  # rounds run again because the cache hid some of their positions
 
-    @staticmethod
-    def logprobs_wanted(session: Session) -> int:
+    def logprobs_wanted(self, session: Session) -> int:
         """Logprobs per position the decision needs: the argmax for greedy, the top-k for
-        top-k sampling (its law is supported on them, renormalised), else all (-1)."""
+        top-k sampling (its law is supported on them, renormalised), else all (-1). A top_k
+        of the vocabulary or more truncates nothing (as on the built-in engine): all, since
+        vLLM refuses more logprobs than the vocabulary has (the fuzz suite found it)."""
         if session.continue_with:  # the masks may remove any token: the whole row
             return -1
         if session.sampling.is_greedy:
             return 1
-        return session.sampling.top_k or -1
+        top_k = session.sampling.top_k
+        return top_k if 0 < top_k < self.vocab_size else -1
 
     def _request(self, session: Session, draft: DraftRound, read_cache: bool):
         k = self.logprobs_wanted(session)

@@ -28,8 +28,10 @@ from edge_client.bench.fuzz.target import (
     PREFIX_CACHE_MB,
     RSS_SLACK_MB,
     SERVER_ARGS,
+    VLLM_KV_CACHE_GB,
     FuzzTarget,
     HonestSession,
+    memory_caps_mb,
     server_args,
 )
 from shared import errors
@@ -41,13 +43,18 @@ FUZZ = dict(derandomize=True, database=None, deadline=None,
 
 
 @pytest.mark.parametrize("engine", [["--engine=vllm"], ["--engine", "vllm"]])
-def test_vllm_target_drops_only_the_builtin_kv_budget(engine):
-    # vLLM refuses --kv-budget-mb (it sizes its own cache); the rest of the limits stay.
+def test_vllm_target_swaps_the_builtin_kv_budget_for_its_pool(engine):
+    # vLLM refuses --kv-budget-mb (it owns its KV memory): its pool size takes the place, the
+    # rest of the limits stay, and the RSS bound counts the pool instead of the budget.
     args = server_args(engine + ["--max-sessions", "4"])
     assert "--kv-budget-mb" not in args
+    i = args.index("--vllm-kv-cache-gb")
+    assert args[i + 1] == str(VLLM_KV_CACHE_GB)
     assert args[-len(engine) - 2:] == engine + ["--max-sessions", "4"]
-    assert len(args) == len(SERVER_ARGS) - 2 + len(engine) + 2
+    assert len(args) == len(SERVER_ARGS) + len(engine) + 2
     assert server_args(["--threads=1"]) == SERVER_ARGS + ["--threads=1"]
+    assert memory_caps_mb(engine) == VLLM_KV_CACHE_GB * 1024
+    assert memory_caps_mb([]) == PREFIX_CACHE_MB + KV_BUDGET_MB
 
 
 @pytest.fixture(scope="module")

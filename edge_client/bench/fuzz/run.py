@@ -31,8 +31,6 @@ from hypothesis.strategies import SearchStrategy
 from edge_client.bench.fuzz.statuses import documented, outcome_name, undecodable_answered_right
 from edge_client.bench.fuzz.strategies import METHODS, FuzzRequest
 from edge_client.bench.fuzz.target import (
-    KV_BUDGET_MB,
-    PREFIX_CACHE_MB,
     RSS_SLACK_MB,
     FuzzTarget,
     Outcome,
@@ -127,7 +125,7 @@ def run_fuzz(target: FuzzTarget, strategy: SearchStrategy[FuzzRequest], n: int, 
     if alive:
         fuzz_log.rss_mb.append(round(target.rss_mb(), 1))
     baseline = fuzz_log.baseline_rss_mb or start_rss
-    bound = baseline + PREFIX_CACHE_MB + KV_BUDGET_MB + RSS_SLACK_MB
+    bound = baseline + target.memory_caps_mb + RSS_SLACK_MB
     honest_report = honest.report if honest is not None else None
     properties = {
         "documented_statuses": fuzz_log.undocumented_count == 0,

@@ -39,6 +39,10 @@ MAX_REPLIES = 8
 PREFIX_CACHE_MB = 16
 KV_BUDGET_MB = 64
 RSS_SLACK_MB = 128
+# vLLM's KV pool (its prefix cache lives in it): allocated at start, but its pages count in
+# RSS only once written, so the pool may show up as growth during the run (the least the
+# verifier lets vLLM have on CPUs: whole GiB, at least one).
+VLLM_KV_CACHE_GB = 1
 SERVER_ARGS = ["--prefix-cache-mb", str(PREFIX_CACHE_MB), "--kv-budget-mb", str(KV_BUDGET_MB),
                "--max-sessions", "16", "--max-draft-len", "8", "--session-ttl", "30",
                "--grace", "1"]
@@ -64,16 +68,28 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def server_args(extra: list[str]) -> list[str]:
-    """SERVER_ARGS then ``extra`` (last, so they override it). vLLM sizes its own KV cache and
-    refuses --kv-budget-mb, so with --engine vllm the built-in engine's budget is left out."""
-    vllm = "--engine=vllm" in extra or any(
+def is_vllm(extra: list[str]) -> bool:
+    return "--engine=vllm" in extra or any(
         a == "--engine" and b == "vllm" for a, b in zip(extra, extra[1:], strict=False))
+
+
+def server_args(extra: list[str]) -> list[str]:
+    """SERVER_ARGS then ``extra`` (last, so they override it). vLLM refuses --kv-budget-mb
+    (it owns its KV memory), so with --engine vllm the built-in engine's budget is replaced
+    by vLLM's pool size."""
     base = list(SERVER_ARGS)
-    if vllm:
+    if is_vllm(extra):
         i = base.index("--kv-budget-mb")
-        del base[i:i + 2]
+        base[i:i + 2] = ["--vllm-kv-cache-gb", str(VLLM_KV_CACHE_GB)]
     return base + extra
+
+
+def memory_caps_mb(extra: list[str]) -> float:
+    """What the verifier's memory may grow by, at most, under ``server_args(extra)``: the
+    prefix cache and the KV budget, or with vLLM its KV pool (the prefix cache inside it)."""
+    if is_vllm(extra):
+        return VLLM_KV_CACHE_GB * 1024
+    return PREFIX_CACHE_MB + KV_BUDGET_MB
 
 
 class FuzzTarget:
@@ -93,6 +109,7 @@ class FuzzTarget:
         cmd = [sys.executable, "-m", "cloud_verifier.server", "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "WARNING", "--api-keys-file",
                str(keys), *server_args(list(extra or ()))]
+        self.memory_caps_mb = memory_caps_mb(list(extra or ()))
         if model:
             cmd += ["--model", str(model)]
         self._log = self.log_path.open("wb")

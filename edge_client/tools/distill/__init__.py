@@ -11,6 +11,9 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
   every generated token, the top-k ids and log-probabilities of its distribution p at
   temperature 1, one ``shard-NNNNN.npz`` (``shards``) per ``--shard-size`` prompts; with
   ``--draft-run`` a trained draft writes the continuations and the target labels them.
+- ``corpus``: both at scale: chunk after chunk of ``gen-prompts`` then ``gen-data`` until
+  ``--target-tokens``, bounded by ``--max-minutes`` and resumed by the same command, with a
+  manifest (``corpus.json``) of each chunk's engine, dtype, host and counts.
 - ``train``: a draft ``LlamaForCausalLM`` (``model``) against those sparse distributions,
   KL(p_topk || q) + w * TV(p_topk, q); per-token acceptance of speculative sampling is
   1 - TV(p, q), so TV is the quantity that matters, while KL gives the better gradients early.

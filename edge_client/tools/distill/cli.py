@@ -1,9 +1,10 @@
 """``edgespec-distill``: distil the target into a small ONNX draft, resumably.
 
 Subcommands (each one checkpoints; kill it at any moment and rerun the same command):
-``gen-prompts`` (module ``magpie``), ``gen-data`` (module ``data``), ``train`` (``train``),
-``export`` (``export``), ``eval`` (``evaluate``), ``import-onnx`` (``onnx_import``: a shipped
-ONNX draft back into a run dir for ``train --init-from``), and for the draft head conditioned on the
+``gen-prompts`` (module ``magpie``), ``corpus`` (``corpus``: prompts and data at scale, in
+bounded chunks), ``gen-data`` (module ``data``), ``train`` (``train``), ``export``
+(``export``), ``eval`` (``evaluate``), ``import-onnx`` (``onnx_import``: a shipped ONNX draft
+back into a run dir for ``train --init-from``), and for the draft head conditioned on the
 target's hidden state ``train-head`` (``head_train``), ``export-head`` (``head_export``),
 ``prompt-features`` (``head_context``) and ``layer-features`` (``head_layers``); the package
 docstring says what each does. A stage's module is imported when its subcommand
@@ -35,9 +36,11 @@ def parse_args(argv: Sequence[str] | None):
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    from edge_client.tools.distill.corpus import add_parser as add_corpus
     from edge_client.tools.distill.magpie import add_parser as add_gen_prompts
 
     add_gen_prompts(sub)
+    add_corpus(sub)
     g = sub.add_parser("gen-data", help="record the target's top-k distributions")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--target", type=Path, default=None)
@@ -289,6 +292,10 @@ def _run(args) -> int:
         from edge_client.tools.distill.magpie import run_cli
 
         return run_cli(args)
+    elif args.cmd == "corpus":
+        from edge_client.tools.distill import corpus
+
+        return corpus.run_cli(args)
     elif args.cmd == "train":
         from edge_client.tools.distill.model import ArchConfig
         from edge_client.tools.distill.train import TrainConfig, train

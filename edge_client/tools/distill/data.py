@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -66,10 +66,14 @@ class GenConfig:
     dtype: str = "float32"  # vLLM's dtype (the built-in path runs the target in float32)
 
 
-def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) -> Path:
+def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None,
+             time_left: Callable[[float], bool] | None = None,
+             on_shard: Callable[[int], None] | None = None) -> Path:
     """Fill ``cfg.out`` with shards; skips shards already written. Returns ``cfg.out``.
     ``vllm_writer``: a running ``data_vllm.VllmWriter`` for ``--engine vllm`` (default: start
-    one)."""
+    one). ``time_left(seconds)``: whether a shard that takes as long as the last one may still
+    start (``corpus`` runs in bounded chunks). ``on_shard``: called with each written shard's
+    token count."""
     import torch
 
     from cloud_verifier.target_model import load_target
@@ -119,10 +123,15 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) 
 
     n_shards = math.ceil(len(order) / cfg.shard_size)
     total_tokens, t_start = 0, time.perf_counter()
+    last_shard_s = 0.0
     for shard in range(n_shards):
         path = out / f"shard-{shard:05d}.npz"
         if path.exists() or shard % cfg.workers != cfg.worker:
             continue
+        if time_left is not None and not time_left(last_shard_s):
+            log.info("gen-data: time is up before shard %d/%d; rerun to go on", shard + 1,
+                     n_shards)
+            return out
         idx = order[shard * cfg.shard_size : (shard + 1) * cfg.shard_size]
         encoded = []
         for i in idx:
@@ -160,8 +169,11 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None) 
         elapsed = time.perf_counter() - t_start
         log.info("wrote %s (%d tokens); this run %d tokens in %.0f s, %.1f tok/s", path.name,
                  n_tok, total_tokens, elapsed, total_tokens / max(elapsed, 1e-9))
-        _update_manifest(out, path.name, len(samples), n_tok, time.perf_counter() - t0,
+        last_shard_s = time.perf_counter() - t0
+        _update_manifest(out, path.name, len(samples), n_tok, last_shard_s,
                          engine=engine_label(cfg.engine, cfg.dtype))
+        if on_shard is not None:
+            on_shard(n_tok)
     log.info("gen-data done: %d shards in %s", n_shards, out)
     return out
 

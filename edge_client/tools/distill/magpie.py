@@ -130,7 +130,7 @@ class _Stream:
             if meta["index"] != self.chunks or meta["first_round"] != self.next_round:
                 raise ValueError(f"{path} does not follow the chunks before it")
             for record in map(json.loads, lines[1:]):
-                self.add(record, _key(self.kind, record))
+                self.add(record, record_key(self.kind, record))
             self.chunks, self.next_round = self.chunks + 1, meta["next_round"]
             self.candidates += meta["candidates"]
             self.seconds += meta["seconds"]
@@ -156,7 +156,9 @@ class _Stream:
         self.filtered.update(filtered)
 
 
-def _key(kind: str, record: dict) -> str:
+def record_key(kind: str, record: dict) -> str:
+    """What two records of a kind share when they are the same prompt (``corpus`` dedups
+    across chunks with it)."""
     from edge_client.bench.eval_set import normalize
 
     if kind == "multiturn":
@@ -329,8 +331,8 @@ def _ime_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
 _ROUNDS = {"magpie": _magpie_round, "multiturn": _multiturn_round, "ime": _ime_round}
 
 
-def _progress(total: int, initial: int, desc: str, enabled: bool):
-    """A tqdm bar (the ``bench`` extra), or a stand-in that shows nothing."""
+def progress_bar(total: int, initial: int, desc: str, enabled: bool, unit: str = "prompt"):
+    """A tqdm bar with its ETA (the ``bench`` extra), or a stand-in that shows nothing."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -340,7 +342,8 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
             def update(self, n: int = 1) -> None: ...
             def close(self) -> None: ...
         return _NoBar()
-    return tqdm(total=total, initial=initial, desc=desc, unit="prompt", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
+                unit_scale=unit != "prompt")
 
 
 def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: MagpieConfig,
@@ -348,7 +351,7 @@ def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: Ma
     """Extends ``stream`` to ``want`` records; returns this run's seconds on it. ``sampled``:
     the target tokens sampled so far (each chunk records the ones its rounds sampled)."""
     t_run = time.perf_counter()
-    bar = _progress(want, min(len(stream.records), want), stream.kind, cfg.progress)
+    bar = progress_bar(want, min(len(stream.records), want), stream.kind, cfg.progress)
     start, first_round, t0 = len(stream.records), stream.next_round, time.perf_counter()
     candidates, filtered, tokens0 = 0, Counter(), sampled()
     while len(stream.records) < want:
@@ -366,7 +369,7 @@ def _run_stage(stream: _Stream, want: int, rounds: RoundFn, overlapping, cfg: Ma
             hit, pos = any(i in flagged for i in range(pos, pos + len(texts))), pos + len(texts)
             record = {"id": f"{stream.kind}-{len(stream.records):06d}", "source": stream.kind,
                       **body, "seed": seed}
-            key = _key(stream.kind, record)
+            key = record_key(stream.kind, record)
             if key in stream.seen:
                 filtered["duplicate"] += 1
             elif hit:

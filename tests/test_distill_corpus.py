@@ -1,0 +1,131 @@
+"""edgespec-distill corpus on a tiny random target (the built-in engine): chunks of prompts
+continued by the target until the token count is there, a bounded run that a rerun finishes
+exactly as one straight run does, the manifest's counts against the shards themselves, the
+cross-chunk dedup, and the dtype chosen by the host."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client.tools.distill import corpus
+from edge_client.tools.distill.corpus import Corpus, CorpusConfig, resolve_dtype
+from edge_client.tools.distill.prompt_file import load_prompts_file
+from edge_client.tools.distill.shards import list_shards, read_shard
+
+# The tiny target never ends a turn, so its turns are kept unfinished and kept short.
+PROMPTS = {"max_user_tokens": 8, "max_answer_tokens": 4, "ime_max_tokens": 8,
+           "keep_unfinished": True, "ime_openers": ("t5 t6", "t7"), "chunk_size": 2,
+           "batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    from conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("corpus") / "target", num_layers=2, seed=0)
+
+
+def _cfg(target: Path, out: Path, tokens: int, **kw) -> CorpusConfig:
+    return CorpusConfig(out=out, target=target, target_tokens=tokens, magpie=3, multiturn=1,
+                        ime=2, max_new_tokens=6, top_k=4, shard_size=2, engine="builtin",
+                        progress=False, prompt_settings=PROMPTS, **kw)
+
+
+def _shards(out: Path) -> dict[str, list]:
+    return {f"{p.parent.parent.name}/{p.name}": read_shard(p)
+            for p in sorted(out.glob("chunk-*/data/shard-*.npz"))}
+
+
+def test_chunks_until_the_tokens_are_there_and_the_manifest_counts_the_shards(target, tmp_path):
+    out = tmp_path / "c"
+    summary = Corpus(_cfg(target, out, 50)).run()
+    man = json.loads((out / "corpus.json").read_text())
+    shards = _shards(out)
+    tokens = sum(len(s.gen_ids) for rows in shards.values() for s in rows)
+    sampled = sum(len(s.gen_ids) for rows in shards.values() for s in rows if s.sampled)
+    assert summary["finished"] and summary["tokens"] == tokens >= 50
+    assert man["totals"]["tokens"] == tokens and man["totals"]["sampled_tokens"] == sampled
+    assert man["totals"]["greedy_tokens"] == tokens - sampled
+    assert 0 < sampled < tokens  # greedy and sampled mixed
+    assert man["totals"]["by_engine"] == {"builtin": tokens}
+    assert len(man["chunks"]) >= 2  # 6 prompts x 6 tokens a chunk cannot make 50
+    for name, entry in man["chunks"].items():
+        assert entry["done"] and entry["engine"] == "builtin" and entry["host"]["model"]
+        assert entry["prompts"] == {"magpie": 3, "multiturn": 1, "ime": 2}
+        assert entry["prompt_stage_tokens"] > 0
+        rows = load_prompts_file(out / name / "data-prompts.jsonl")
+        assert entry["data_prompts"] == len(rows) == entry["data_prompts_done"]
+    # every prompt of every chunk is continued once
+    texts = [json.dumps(r.messages or r.text) for name in man["chunks"]
+             for r in load_prompts_file(out / name / "data-prompts.jsonl")]
+    assert len(texts) == len(set(texts))
+
+
+def test_a_bounded_run_stops_between_shards_and_a_rerun_lands_on_the_straight_run(
+        target, tmp_path):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    Corpus(_cfg(target, straight, 40)).run()
+    bounded = Corpus(_cfg(target, cut, 40, max_minutes=60))
+    calls = []
+    # time runs out after the chunk start, its prompts stage and its first shard
+    bounded.time_left = lambda seconds: calls.append(seconds) or len(calls) <= 3
+    first = bounded.run()
+    assert not first["finished"] and 0 < first["tokens"] < 40
+    chunk = json.loads((cut / "corpus.json").read_text())["chunks"]["chunk-0000"]
+    assert not chunk["done"] and chunk["shards"] == "1/3"
+    again = Corpus(_cfg(target, cut, 40)).run()  # the same command without the bound
+    assert again["finished"]
+    a, b = _shards(straight), _shards(cut)
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name], strict=True):
+            assert np.array_equal(x.gen_ids, y.gen_ids)
+            assert np.array_equal(x.topk_ids, y.topk_ids)
+            assert np.array_equal(x.topk_logp, y.topk_logp)
+    # a finished corpus asked for more goes on from where it is, rewriting nothing
+    before = {p: p.stat().st_mtime_ns for p in list_shards(cut / "chunk-0000" / "data")}
+    more = Corpus(_cfg(target, cut, 80)).run()
+    assert more["finished"] and more["this_run_tokens"] > 0
+    assert before == {p: p.stat().st_mtime_ns for p in list_shards(cut / "chunk-0000" / "data")}
+
+
+def test_prompts_of_an_earlier_chunk_are_not_continued_again(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "chunk_seed", lambda seed, chunk: 0 if chunk < 2 else chunk)
+    out = tmp_path / "c"
+    Corpus(_cfg(target, out, 60)).run()
+    man = json.loads((out / "corpus.json").read_text())
+    twin = man["chunks"]["chunk-0001"]  # sampled with chunk 0's seed: the same prompts
+    assert twin["cross_chunk_duplicates"] == 6 and twin["data_prompts"] == 0
+    assert twin["done"] and twin.get("tokens", 0) == 0
+    assert man["chunks"]["chunk-0002"]["data_prompts"] > 0
+
+
+def test_other_data_settings_into_the_same_out_are_refused(target, tmp_path):
+    out = tmp_path / "c"
+    Corpus(_cfg(target, out, 10))
+    with pytest.raises(ValueError, match="--max-new-tokens 6 \\(not 7\\)"):
+        Corpus(replace(_cfg(target, out, 10), max_new_tokens=7))
+    Corpus(_cfg(target, out, 99, max_minutes=3))  # the goal and the bound may change
+
+
+@pytest.mark.parametrize("flags, dtype", [(["avx2"], "float32"),
+                                          (["avx2", "avx512f"], "float32"),
+                                          (["avx2", "avx512f", "avx512_bf16"], "bfloat16"),
+                                          (["avx2", "amx_bf16"], "bfloat16")])
+def test_auto_dtype_follows_the_host(flags, dtype):
+    host = {"model": "x", "flags": flags}
+    assert resolve_dtype("auto", "vllm", host) == dtype
+    assert resolve_dtype("float32", "vllm", host) == "float32"
+    assert resolve_dtype("auto", "builtin", host) == "float32"
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="at least one prompt"):
+        Corpus(CorpusConfig(tmp_path, magpie=0, multiturn=0, ime=0))
+    with pytest.raises(ValueError, match="--dtype"):
+        Corpus(CorpusConfig(tmp_path, dtype="float16"))

@@ -93,6 +93,9 @@ class VllmSettings:
     block_size: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_gb: float | None = None  # CPU: VLLM_CPU_KVCACHE_SPACE
+    # The KV pool in blocks, whatever the memory would allow (vLLM's num_gpu_blocks_override;
+    # the KV-pressure test starves vLLM with it)
+    num_blocks: int | None = None
     enforce_eager: bool = True
     seed: int = 0
     threads: int | None = None  # CPU: OpenMP threads, bound to this process's first cores
@@ -126,6 +129,8 @@ def start_llm(checkpoint: str | Path, max_context: int, settings: VllmSettings) 
     block_size = settings.block_size or (None if torch.cuda.is_available() else 32)
     if block_size:
         kwargs["block_size"] = block_size
+    if settings.num_blocks:
+        kwargs["num_gpu_blocks_override"] = settings.num_blocks
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     t0 = time.perf_counter()

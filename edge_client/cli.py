@@ -63,11 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"[{stats['new_tokens']} tokens in {stats['wall_s']:.2f} s, "
-              f"{stats['tokens_per_s']:.1f} tok/s; acceptance {stats['acceptance_rate']:.2f}, "
-              f"{stats['tokens_per_round']:.2f} tokens/round, {stats['round_trips']} round "
-              f"trips, {stats['target_forwards']} target forwards, {stats['reopens']} "
-              "reopens]", file=sys.stderr)
+        print(f"[{generation.stats.describe()}]", file=sys.stderr)
     return 0
 
 

@@ -63,6 +63,20 @@ class GenerationStats:
     def tokens_per_round(self) -> float:
         return self.new_tokens / self.rounds if self.rounds else 0.0
 
+    def describe(self) -> str:
+        """The stats in one line a new user can read: accepted drafts per drafted token,
+        tokens per target forward, and the forwards saved against cloud-only decoding (one
+        forward per token)."""
+        saved = 1 - self.target_forwards / self.new_tokens if self.new_tokens else 0.0
+        per_forward = self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+        return (f"{self.new_tokens} tokens in {self.wall_s:.2f} s "
+                f"({self.new_tokens / self.wall_s if self.wall_s else 0.0:.1f} tok/s): "
+                f"{self.accepted} of {self.drafted} drafted tokens accepted "
+                f"({self.acceptance_rate:.0%}), {per_forward:.2f} tokens per target forward, "
+                f"{self.target_forwards} target forwards where cloud-only decoding takes "
+                f"{self.new_tokens} ({saved:.0%} saved); {self.round_trips} round trips, "
+                f"{self.reopens} reopens")
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["network_s"] = max(0.0, self.wait_s - self.verify_s)

@@ -213,3 +213,31 @@ def test_the_client_core_over_grpc_on_vllm_is_vllms_greedy_output(vllm_target, p
                 assert gen.token_ids == want[:32], attempt
                 assert gen.stats.rounds < 32  # multi-token rounds: drafts were accepted
         engine.llm.reset_prefix_cache()
+
+
+PRESSURE_BLOCKS = 48  # x 32 tokens: 1,536 tokens of KV for sessions that need about 2,200
+
+
+@pytest.fixture(scope="module")
+def starved(real_assets):
+    """A second vLLM on the same checkpoint whose KV pool is far too small for the sessions
+    batched on it: vLLM must preempt running requests and evict cached prefixes."""
+    require_vllm()
+    from cloud_verifier.vllm_engine import VllmSettings, load_vllm_engine
+
+    return load_vllm_engine(real_assets[0], 1024,
+                            VllmSettings(num_blocks=PRESSURE_BLOCKS, block_size=32))[1]
+
+
+def test_under_vllms_kv_pressure_the_output_is_unchanged(starved, prompts, vllm_greedy):
+    """16 sessions whose contexts add up to more than the pool holds, all their rounds batched:
+    rounds lose their cached context (whole prefills again, counted) and the output is still
+    vLLM's greedy output of the unstarved instance."""
+    chosen = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))[:16]
+    need = sum(len(prompts[i]) + NEW_TOKENS for i in chosen)
+    assert need > PRESSURE_BLOCKS * 32, need
+    got, fed = run_sessions(starved, [prompts[i] for i in chosen],
+                            [vllm_greedy[i] for i in chosen])
+    assert got == [vllm_greedy[i] for i in chosen]
+    prefilled_again = [n for r, n in fed if r > 0 and n > K + 1 + 32]
+    assert prefilled_again, "the pool never ran short: no cached context was lost"

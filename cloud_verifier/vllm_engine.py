@@ -96,6 +96,12 @@ class VllmSettings:
     # The KV pool in blocks, whatever the memory would allow (vLLM's num_gpu_blocks_override;
     # the KV-pressure test starves vLLM with it)
     num_blocks: int | None = None
+    # False: no prompt is split across engine steps. Seeded sampling needs it on CPUs: vLLM
+    # 0.32 rewinds a seeded request's generator after a partial prefill with set_offset,
+    # which CPU generators refuse (RuntimeError "CPU Generator does not use offset"), so a
+    # seeded batch with more prompt tokens than a step takes dies. The verifier samples
+    # nothing on vLLM (its rounds draw their own uniforms) and keeps chunking.
+    chunked_prefill: bool = True
     enforce_eager: bool = True
     seed: int = 0
     threads: int | None = None  # CPU: OpenMP threads, bound to this process's first cores
@@ -131,6 +137,9 @@ def start_llm(checkpoint: str | Path, max_context: int, settings: VllmSettings) 
         kwargs["block_size"] = block_size
     if settings.num_blocks:
         kwargs["num_gpu_blocks_override"] = settings.num_blocks
+    if not settings.chunked_prefill:  # a step must then hold a whole prompt
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_context, 2048))
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
     t0 = time.perf_counter()

@@ -100,3 +100,18 @@ def test_a_rerun_skips_finished_shards_and_sampling_repeats_from_its_seed(data, 
     for a, b in zip(first, again, strict=True):
         assert a.sampled == b.sampled
         assert np.array_equal(a.gen_ids, b.gen_ids)
+
+
+def test_seeded_rows_with_more_prompt_than_a_step_holds(writer):
+    """48 sampled rows of 300+ prompt tokens each, far more than one engine step takes: with
+    vLLM's chunked prefill a seeded request's partial prefill crashed the CPU engine ("CPU
+    Generator does not use offset"; the first corpus run died of it). The writer starts vLLM
+    without chunking: every row comes back, and again the same from the same seeds."""
+    from edge_client.tools.distill.data_vllm import VllmRow
+
+    rows = [VllmRow(i, [(i * 7 + j) % 40000 + 100 for j in range(300 + i)], True)
+            for i in range(48)]
+    first = writer.generate(rows, 8, TOP_K, 0.8, seed=5)
+    again = writer.generate(rows, 8, TOP_K, 0.8, seed=5)
+    assert [len(s.gen_ids) for s in first] == [8] * len(rows)
+    assert all(np.array_equal(a.gen_ids, b.gen_ids) for a, b in zip(first, again, strict=True))

@@ -55,8 +55,10 @@ class VllmWriter:
         from cloud_verifier.vllm_engine import VllmSettings, start_llm
 
         meta = load_target_metadata(target)
+        # Sampled rows carry seeds: no chunked prefill (VllmSettings.chunked_prefill says why)
         llm = start_llm(target_checkpoint(target)[0], meta.max_context,
-                        VllmSettings(dtype=dtype, threads=threads or None))
+                        VllmSettings(dtype=dtype, threads=threads or None,
+                                     chunked_prefill=False))
         return cls(llm, meta.max_context, set(meta.eos_token_ids))
 
     def generate(self, rows: list[VllmRow], max_new_tokens: int, top_k: int,

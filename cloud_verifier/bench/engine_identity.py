@@ -42,14 +42,19 @@ def realistic_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def builtin_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The argmax at every step, end-of-turn tokens included and not stopped at (as vLLM's
+    ``ignore_eos``; ``generate``'s ``min_new_tokens`` would mask them instead)."""
+    from transformers import DynamicCache
+
     out = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=tokens, min_new_tokens=tokens, top_k=None,
-                                 top_p=None, temperature=None, pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
+            cache, ids, new = DynamicCache(), torch.tensor([p]), []
+            for _ in range(tokens):
+                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                new.append(int(logits[0, -1].argmax()))
+                ids = torch.tensor([[new[-1]]])
+            out.append(new)
     return out
 
 

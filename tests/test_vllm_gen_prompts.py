@@ -86,7 +86,7 @@ def test_records_have_their_shapes_and_pass_the_filters(straight, real_assets):
         assert st["candidates"] == st["rounds"] * BATCH
         assert st["generated"] + sum(st["filtered"].values()) == st["candidates"]
         assert st["tokens"] > 0 and st["tokens_per_s"] > 0
-        keys = {magpie._key(kind, r) for r in recs}
+        keys = {magpie.record_key(kind, r) for r in recs}
         assert len(keys) == n  # deduplicated
     for r in _records(cfg.out, "magpie"):
         assert passes(r["prompt"], cfg.min_words, cfg.max_words), r

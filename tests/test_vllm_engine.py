@@ -35,16 +35,11 @@ def vllm_target(real_assets):
 
 @pytest.fixture(scope="module")
 def prompts(vllm_target) -> list[list[int]]:
-    from edge_client.bench.eval_set import load_eval
+    from cloud_verifier.bench.engine_identity import realistic_prompts
 
     target, _ = vllm_target
-    tok = target.tokenizer
     # Every category of the realistic set, in turn; IME prefixes are raw text.
-    chosen = sorted(load_eval(), key=lambda p: (int(p.id.rsplit("-", 1)[1]), p.category))
-    ids = [list(tok.apply_chat_template(p.chat_messages(), add_generation_prompt=True,
-                                        tokenize=True, return_dict=False))
-           if p.chat else tok.encode(p.raw, add_special_tokens=False)
-           for p in chosen[:NUM_PROMPTS]]
+    ids = realistic_prompts(target.tokenizer, NUM_PROMPTS)
     assert len(ids) == NUM_PROMPTS
     return ids
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cloud_verifier.bench.engines import _reference
 from cloud_verifier.bench.vllm_dtype import first_difference
 
 
@@ -86,9 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
 
-    from vllm import SamplingParams as VllmParams
-    from vllm.inputs import TokensPrompt
-
     from cloud_verifier.target_model import load_target
     from cloud_verifier.vllm_engine import VllmSettings, load_vllm_engine
 
@@ -99,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     builtin = builtin_greedy(target.model, prompts, args.tokens)
     builtin_s = time.perf_counter() - t0
     meta, engine = load_vllm_engine(args.model, 2048, VllmSettings(threads=1))
-    out = engine.llm.generate([TokensPrompt(prompt_token_ids=x) for x in prompts],
-                              VllmParams(max_tokens=args.tokens, temperature=0.0,
-                                         ignore_eos=True, detokenize=False), use_tqdm=False)
-    vllm = [list(o.outputs[0].token_ids) for o in out]
+    vllm = _reference(engine.llm, prompts, args.tokens)  # temperature 0, ignore_eos
 
     diffs = []
     for i, (a, b) in enumerate(zip(builtin, vllm, strict=True)):

@@ -129,3 +129,58 @@ def test_bad_settings_are_refused(tmp_path):
         Corpus(CorpusConfig(tmp_path, magpie=0, multiturn=0, ime=0))
     with pytest.raises(ValueError, match="--dtype"):
         Corpus(CorpusConfig(tmp_path, dtype="float16"))
+
+
+def test_an_archive_carries_the_corpus_to_a_fresh_machine(target, tmp_path):
+    """The first machine writes part of the corpus with --archive; a second machine, with the
+    archive only, gets every shard back (ids as written, top-k labelled again by the target)
+    and finishes the corpus as one straight run would have."""
+    from edge_client.tools.distill.corpus_archive import read_ids
+
+    straight, first, archive = tmp_path / "straight", tmp_path / "first", tmp_path / "archive"
+    Corpus(_cfg(target, straight, 40)).run()
+    cut = Corpus(_cfg(target, first, 40, archive=archive))
+    calls = []
+    cut.time_left = lambda seconds: calls.append(seconds) or len(calls) <= 3  # one shard
+    assert not cut.run()["finished"]
+    packed = sorted(p.relative_to(archive).as_posix() for p in archive.rglob("shard-*.npz"))
+    assert packed == ["chunk-0000/shard-00000.npz"]
+    ids, index = read_ids(archive / packed[0])
+    assert ids[0].gen_ids.dtype == np.int64 and len(index) == 2
+    with np.load(archive / packed[0]) as z:
+        assert z["gen_ids"].dtype == np.uint16 and "topk_ids" not in z.files
+
+    second = tmp_path / "second"  # a fresh machine: the archive is all it has
+    summary = Corpus(_cfg(target, second, 40, archive=archive)).run()
+    assert summary["finished"] and summary["restored"]["shards"] == 1
+    entry = json.loads((second / "corpus.json").read_text())["chunks"]["chunk-0000"]
+    assert entry["restored"]["labels"] == "builtin-float32" and entry["restored"]["shards"] == 1
+    a, b = _shards(straight), _shards(second)
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name], strict=True):
+            assert np.array_equal(x.prompt_ids, y.prompt_ids)
+            assert np.array_equal(x.gen_ids, y.gen_ids) and x.sampled == y.sampled
+            # labels computed again, teacher-forced: the same top-k up to float rounding
+            assert np.array_equal(x.topk_ids[:, 0], y.topk_ids[:, 0])
+            np.testing.assert_allclose(x.topk_logp.astype(np.float32),
+                                       y.topk_logp.astype(np.float32), atol=2e-2)
+    # the second machine packed what it wrote: the archive now holds the whole corpus
+    assert len(list(archive.rglob("shard-*.npz"))) == len(a)
+    third = tmp_path / "third"
+    again = Corpus(_cfg(target, third, 40, archive=archive)).run()
+    assert again["finished"] and again["this_run_tokens"] == 0
+    assert again["restored"]["shards"] == len(a)
+
+
+def test_an_archive_refuses_other_settings_and_a_changed_prompt_file(target, tmp_path):
+    import gzip
+
+    archive = tmp_path / "archive"
+    Corpus(_cfg(target, tmp_path / "a", 10, archive=archive)).run()
+    with pytest.raises(ValueError, match="--top-k 4 \\(not 5\\)"):
+        Corpus(replace(_cfg(target, tmp_path / "b", 10, archive=archive), top_k=5))
+    gz = archive / "chunk-0000" / "data-prompts.jsonl.gz"
+    gz.write_bytes(gzip.compress(gzip.decompress(gz.read_bytes()) + b"{}\n"))
+    with pytest.raises(ValueError, match="does not match its digest"):
+        Corpus(_cfg(target, tmp_path / "c", 10, archive=archive)).run()

@@ -59,6 +59,9 @@ class CorpusConfig:
     progress: bool = True
     # MagpieConfig fields that differ from its defaults (e.g. shorter turns on a test target)
     prompt_settings: dict = field(default_factory=dict)
+    # Where the corpus's token ids are kept across machines (module corpus_archive): restored
+    # from at the start of a run, added to after every shard. None: no archive.
+    archive: Path | None = None
 
 
 def host_cpu() -> dict:
@@ -131,6 +134,11 @@ class Corpus:
         self.writer_dtype = None
         self.seen: set[str] = set()
         self.last_prompts_s = 0.0
+        self.archive = Path(cfg.archive) if cfg.archive is not None else None
+        if self.archive is not None:
+            from edge_client.tools.distill.corpus_archive import check_settings
+
+            check_settings(self.archive, self.manifest["settings"])
 
     def _check_settings(self) -> None:
         """Chunks made with other data settings would not be one corpus: refuse, say which."""
@@ -154,12 +162,13 @@ class Corpus:
     def run(self) -> dict:
         from edge_client.tools.distill.magpie import progress_bar
 
+        restored = self._restore()  # before the bar: restored tokens are not this run's rate
         bar = progress_bar(self.cfg.target_tokens,
                            min(self.done_tokens(), self.cfg.target_tokens), "corpus",
                            self.cfg.progress, unit="tok")
         chunk, t0, tokens0 = 0, time.perf_counter(), self.done_tokens()
         try:
-            while self.done_tokens() < self.cfg.target_tokens:
+            while restored["left"] == 0 and self.done_tokens() < self.cfg.target_tokens:
                 if not self.run_chunk(chunk, bar):
                     break
                 chunk += 1
@@ -171,10 +180,38 @@ class Corpus:
                    "this_run_tokens": made, "this_run_s": round(dt, 1),
                    "this_run_tokens_per_s": round(made / dt, 1) if dt > 0 else None,
                    "eta_h": round(left / (made / dt) / 3600, 1) if made and left else None,
-                   "finished": left == 0}
+                   "finished": left == 0, "restored": restored}
         self.manifest["last_run"] = {**summary, "host": self.host}
         self._save()
         return summary
+
+    def _restore(self) -> dict:
+        """Chunks and shards the archive has and ``out`` lacks, written back (labels
+        recomputed), then the archive completed with what only ``out`` has."""
+        none = {"shards": 0, "tokens": 0, "seconds": 0.0, "left": 0}
+        if self.archive is None:
+            return none
+        from edge_client.tools.distill.corpus_archive import restore
+
+        done = restore(self.archive, self.out, self.manifest, self.cfg.top_k, self.cfg.target,
+                       time_left=self.time_left, progress=self.cfg.progress)
+        for name, entry in self.manifest["chunks"].items():
+            archived = len(list((self.archive / name).glob("shard-*.npz")))
+            local = self.out / name / "data"
+            if "restored" in entry and local.exists():
+                entry.update(_shard_tokens(local))
+                # a chunk is done only with all its shards here; gen-data writes the rest
+                entry["done"] = entry.get("done", False) and len(
+                    list(local.glob("shard-*.npz"))) >= archived
+        self._save()
+        self._pack()
+        return done
+
+    def _pack(self) -> None:
+        if self.archive is not None:
+            from edge_client.tools.distill.corpus_archive import pack
+
+            pack(self.out, self.archive, self.manifest)
 
     def _save(self) -> None:
         chunks = self.manifest["chunks"].values()
@@ -247,6 +284,7 @@ class Corpus:
                          cross_chunk_duplicates=len(records) - len(fresh),
                          data_prompts=len(fresh))
             self._save()
+            self._pack()
         self.seen |= _keys(dp)
         if entry["data_prompts"] == 0:  # every prompt was in an earlier chunk
             entry.update(_shard_tokens(cdir / "data"), done=True, shards="0/0", data_s=0.0)
@@ -262,6 +300,7 @@ class Corpus:
         def shard_done(tokens: int) -> None:
             entry.update(_shard_tokens(cdir / "data"))
             self._save()
+            self._pack()
             bar.update(tokens)
 
         gen_data(gen, vllm_writer=writer, time_left=self.time_left, on_shard=shard_done)
@@ -275,6 +314,7 @@ class Corpus:
         if entry["done"]:
             entry["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         self._save()
+        self._pack()
         return entry["done"]
 
 
@@ -305,6 +345,10 @@ def add_parser(sub) -> None:
     c.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=d.dtype,
                    help="vLLM's dtype for new chunks (auto: bfloat16 where the CPU has AMX "
                         "or AVX512-BF16, else float32)")
+    c.add_argument("--archive", type=Path, default=None,
+                   help="keep the corpus's token ids here too (e.g. the repository's "
+                        "edge_client/tools/distill/corpus_ids), and restore from it what --out "
+                        "lacks, labels recomputed: a fresh machine goes on where the last stopped")
     c.add_argument("--no-progress", action="store_true")
 
 

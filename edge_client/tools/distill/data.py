@@ -157,7 +157,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None,
             rows = _generate_batch(writer, [e[1] for e in batch], [e[2] for e in batch], cfg,
                                    eos, pad_id, gen, record_top_k=not on_policy)
             if on_policy:
-                rows = _label(target.model, rows, cfg.top_k, pad_id)
+                rows = label_rows(target.model, rows, cfg.top_k, pad_id)
             samples += rows
             index += [e[0] for e in batch]
             n_tok += sum(len(r.gen_ids) for r in rows)
@@ -170,7 +170,7 @@ def gen_data(cfg: GenConfig, prompts: Sequence | None = None, vllm_writer=None,
         log.info("wrote %s (%d tokens); this run %d tokens in %.0f s, %.1f tok/s", path.name,
                  n_tok, total_tokens, elapsed, total_tokens / max(elapsed, 1e-9))
         last_shard_s = time.perf_counter() - t0
-        _update_manifest(out, path.name, len(samples), n_tok, last_shard_s,
+        record_shard(out, path.name, len(samples), n_tok, last_shard_s,
                          engine=engine_label(cfg.engine, cfg.dtype))
         if on_shard is not None:
             on_shard(n_tok)
@@ -204,7 +204,7 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
                     eos: set[int], pad_id: int, gen, record_top_k: bool = True) -> list[Sample]:
     """Left-padded batched decoding with a KV cache; finished rows leave the batch. Each
     token's top-k log-probabilities are recorded unless ``record_top_k`` is False (their
-    arrays are then empty, for ``_label`` to fill)."""
+    arrays are then empty, for ``label_rows`` to fill)."""
     import torch
     from transformers import DynamicCache
 
@@ -281,7 +281,7 @@ def _generate_batch(model, prompts: list[list[int]], sampled: list[bool], cfg: G
     ]
 
 
-def _label(model, rows: list[Sample], top_k: int, pad_id: int) -> list[Sample]:
+def label_rows(model, rows: list[Sample], top_k: int, pad_id: int) -> list[Sample]:
     """Replaces each row's top-k with the target's: one teacher-forced forward over the
     left-padded prompt + continuation, keeping only the positions that predict a continuation
     token."""
@@ -326,7 +326,7 @@ class _HeadOnly:
         return out
 
 
-def _update_manifest(out: Path, name: str, prompts: int, tokens: int, seconds: float,
+def record_shard(out: Path, name: str, prompts: int, tokens: int, seconds: float,
                      engine: str) -> None:
     path = out / "manifest.json"
     manifest = json.loads(path.read_text()) if path.exists() else {"shards": {}}

@@ -1,0 +1,202 @@
+"""The corpus's token ids kept in the repository (``corpus --archive DIR``), so that a session
+on a fresh machine continues the corpus instead of writing it again.
+
+Why: a session's machine is replaced between sessions and only the repository survives, while
+ten million target tokens take the target dozens of CPU-hours to write. The shards themselves
+cannot travel (top-64 ids and log-probabilities are ~380 bytes a token, 3.8 GB at 10M); the
+token ids can (2 bytes a token, compressed). Writing a token costs the target one decode step
+in a batch; labelling a written token again (its top-k, teacher-forced) is one position of a
+prefill, which is cheaper, so restoring a shard beats writing it again, and the data is the
+same data rather than a new draw.
+
+Layout: ``DIR/settings.json`` (the corpus settings, checked like ``corpus.json``'s) and per chunk
+``DIR/chunk-NNNN/chunk.json`` (its manifest entry and the SHA-256 of its prompt file),
+``data-prompts.jsonl.gz`` and one ``shard-NNNNN.npz`` of ids per shard (prompt and generated
+ids as uint16, offsets, the greedy/sampled flags and prompt indices: ``shards.write_shard``'s
+arrays less the top-k). Every file is written atomically and only once it is complete.
+
+Restoring writes the chunk's prompt file back byte for byte (checked against its digest) and
+each shard with the top-k that the built-in target computes over prompt + continuation
+(``data.label_rows``); ``gen-data`` then goes on with the chunk's next shard as if it had
+never stopped. The manifest says which shards were labelled again and by what.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_client.tools.distill.common import write_json
+from edge_client.tools.distill.shards import Sample, write_shard
+
+log = logging.getLogger("edgespec.distill")
+
+LABELS = "builtin-float32"  # who labels restored shards (the built-in target, teacher-forced)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def check_settings(archive: Path, settings: dict) -> None:
+    """An archive holds one corpus: refuses other settings, and records them when new."""
+    path = archive / "settings.json"
+    if path.exists():
+        stored = json.loads(path.read_text())
+        diff = [f"--{k.replace('_', '-')} {stored[k]} (not {settings.get(k)})"
+                for k in stored if stored[k] != settings.get(k)]
+        if diff:
+            raise ValueError(f"the archive {archive} holds a corpus with other settings: "
+                             f"{', '.join(diff)}")
+    else:
+        archive.mkdir(parents=True, exist_ok=True)
+        write_json(path, settings)
+
+
+def pack(out: Path, archive: Path, manifest: dict) -> int:
+    """Copies into ``archive`` the ids of every shard of ``out`` it lacks, and each chunk's
+    prompt file and manifest entry. Returns the shards packed. Idempotent."""
+    packed = 0
+    for name, entry in sorted(manifest["chunks"].items()):
+        cdir, adir = out / name, archive / name
+        prompts = cdir / "data-prompts.jsonl"
+        if not prompts.exists():
+            continue
+        adir.mkdir(parents=True, exist_ok=True)
+        gz = adir / "data-prompts.jsonl.gz"
+        if not gz.exists():
+            # mtime=0: the same prompts give the same bytes, so git sees no change on a repack
+            raw = gzip.compress(prompts.read_bytes(), mtime=0)
+            _atomic(gz, lambda p, b=raw: p.write_bytes(b))
+        for shard in sorted((cdir / "data").glob("shard-*.npz")):
+            target = adir / shard.name
+            if not target.exists():
+                _atomic(target, lambda p, s=shard: _write_ids(s, p))
+                packed += 1
+        write_json(adir / "chunk.json", {"entry": entry, "prompts_sha256": _digest(prompts)})
+    return packed
+
+
+def _write_ids(shard: Path, path: Path) -> None:
+    with np.load(shard) as z:
+        arrays = {k: z[k] for k in ("prompt_ids", "prompt_offsets", "gen_ids", "gen_offsets",
+                                    "sampled", "prompt_index")}
+    for k in ("prompt_ids", "gen_ids"):
+        if arrays[k].size and int(arrays[k].max()) >= 2**16:
+            raise ValueError(f"{shard}: token ids above 65535 do not fit the archive")
+        arrays[k] = arrays[k].astype(np.uint16)
+    for k in ("prompt_offsets", "gen_offsets", "prompt_index"):
+        arrays[k] = arrays[k].astype(np.int32)
+    np.savez_compressed(path, **arrays)
+
+
+def read_ids(path: Path) -> tuple[list[Sample], np.ndarray]:
+    """An archived shard's samples (no top-k yet) and their prompt indices."""
+    with np.load(path) as z:
+        po, go = z["prompt_offsets"], z["gen_offsets"]
+        samples = [Sample(z["prompt_ids"][po[i]:po[i + 1]].astype(np.int64),
+                          z["gen_ids"][go[i]:go[i + 1]].astype(np.int64),
+                          np.zeros((0, 0), np.int64), np.zeros((0, 0), np.float16),
+                          bool(z["sampled"][i])) for i in range(len(po) - 1)]
+        return samples, z["prompt_index"].astype(np.int64)
+
+
+class _Labeller:
+    """The built-in target, loaded on first need, labelling rows in length-sorted batches."""
+
+    def __init__(self, target: Path | None, top_k: int, batch_size: int) -> None:
+        self.target_dir, self.top_k, self.batch_size = target, top_k, batch_size
+        self.target = None
+
+    def __call__(self, samples: list[Sample]) -> list[Sample]:
+        from cloud_verifier.target_model import load_target
+        from edge_client.tools.distill.data import label_rows
+
+        if self.target is None:
+            self.target = load_target(self.target_dir, device="cpu")
+        pad = self.target.eos_token_ids[0]
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids)
+                       + len(samples[i].gen_ids))
+        out: list[Sample | None] = [None] * len(samples)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            for i, row in zip(idx, label_rows(self.target.model, [samples[i] for i in idx],
+                                              self.top_k, pad), strict=True):
+                out[i] = row
+        return out  # type: ignore[return-value]
+
+
+def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path | None = None,
+            batch_size: int = 8, time_left=None, progress: bool = True) -> dict:
+    """Writes back into ``out`` every archived chunk and shard that ``out`` lacks, the top-k
+    labelled again by the built-in target. Updates ``manifest`` (the caller saves it) and
+    returns what it restored. Stops between shards when ``time_left(seconds)`` says no."""
+    from edge_client.tools.distill.data import record_shard
+    from edge_client.tools.distill.magpie import progress_bar
+
+    todo = [(c, s) for c in sorted(archive.glob("chunk-*")) if (c / "chunk.json").exists()
+            for s in sorted(c.glob("shard-*.npz")) if not (out / c.name / "data" / s.name).exists()]
+    done = {"shards": 0, "tokens": 0, "seconds": 0.0, "left": len(todo)}
+    for adir in sorted(archive.glob("chunk-*")):
+        meta_path = adir / "chunk.json"
+        if not meta_path.exists():
+            continue
+        meta = json.loads(meta_path.read_text())
+        cdir = out / adir.name
+        prompts = cdir / "data-prompts.jsonl"
+        if not prompts.exists():
+            cdir.mkdir(parents=True, exist_ok=True)
+            raw = gzip.decompress((adir / "data-prompts.jsonl.gz").read_bytes())
+            if hashlib.sha256(raw).hexdigest() != meta["prompts_sha256"]:
+                raise ValueError(f"{adir}: the archived prompt file does not match its digest")
+            _atomic(prompts, lambda p, b=raw: p.write_bytes(b))
+        if adir.name not in manifest["chunks"]:
+            manifest["chunks"][adir.name] = {**meta["entry"], "restored": {"labels": LABELS}}
+    if not todo:
+        return done
+    labeller = _Labeller(target, top_k, batch_size)
+    bar = progress_bar(len(todo), 0, "restore", progress, unit="shard")
+    last_s = 0.0
+    try:
+        for adir, shard in todo:
+            if time_left is not None and not time_left(last_s):
+                log.info("restore: time is up with %d shards left", done["left"])
+                break
+            t0 = time.perf_counter()
+            samples, index = read_ids(shard)
+            labelled = labeller(samples)
+            data = out / adir.name / "data"
+            data.mkdir(parents=True, exist_ok=True)
+            write_shard(data / shard.name, labelled, index.tolist())
+            tokens = sum(len(s.gen_ids) for s in samples)
+            last_s = time.perf_counter() - t0
+            engine = manifest["chunks"][adir.name].get("engine", "unknown")
+            record_shard(data, shard.name, len(samples), tokens, last_s,
+                         engine=f"{engine}, labels {LABELS} (restored)")
+            entry = manifest["chunks"][adir.name]
+            entry.setdefault("restored", {"labels": LABELS})
+            entry["restored"]["shards"] = entry["restored"].get("shards", 0) + 1
+            entry["restored"]["seconds"] = round(entry["restored"].get("seconds", 0) + last_s, 1)
+            done["shards"] += 1
+            done["tokens"] += tokens
+            done["seconds"] += last_s
+            done["left"] -= 1
+            bar.update(1)
+            log.info("restored %s/%s: %d tokens in %.0f s (%.0f tok/s)", adir.name, shard.name,
+                     tokens, last_s, tokens / max(last_s, 1e-9))
+    finally:
+        bar.close()
+    return done

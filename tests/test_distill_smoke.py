@@ -309,3 +309,32 @@ def test_gen_data_features_are_the_hidden_states_that_decided_each_token(data, t
 def test_gen_data_refuses_settings_its_engine_cannot_honour(bad, tmp_path):
     with pytest.raises(ValueError, match="engine|dtype"):
         gen_data(GenConfig(target=None, out=tmp_path / "d", **bad), _prompts(2))
+
+
+def test_train_reports_tokens_seen_and_each_category_of_a_realistic_heldout(data, tmp_path):
+    """A held-out directory written by ``bench.realistic_data`` (its categories.json) gets
+    greedy alpha per category at every evaluation; the rows' figures agree with a direct
+    evaluate over each category's rows, and the overall one with the plain evaluation."""
+    from edge_client.tools.distill.evaluate import evaluate, realistic_categories
+
+    heldout = tmp_path / "realistic"
+    shutil.copytree(data["heldout"], heldout)
+    rows = len(load_samples(list_shards(heldout)))
+    categories = ["email", "ime", "email"][:rows]
+    (heldout / "categories.json").write_text(json.dumps({"categories": categories}))
+    assert realistic_categories(heldout, rows) == categories
+    assert realistic_categories(heldout, rows + 1) == []  # another directory's rows
+    assert realistic_categories(data["heldout"], rows) == []
+
+    run = tmp_path / "run"
+    train(replace(_train_cfg(data, run, steps=2), heldout=heldout, eval_every=1))
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").open()) if "heldout" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert 0 < evals[0]["tokens_seen"] < evals[1]["tokens_seen"]
+    model, vmap = load_run(run, data["target"])
+    samples = load_samples(list_shards(heldout))
+    last = evals[-1]["by_category"]
+    assert last["all"] == evals[-1]["heldout"]["greedy_alpha"]
+    for cat in set(categories):
+        mine = [s for s, c in zip(samples, categories, strict=True) if c == cat]
+        assert last[cat] == evaluate(torch_logits_fn(model, vmap), mine)["greedy_alpha"]

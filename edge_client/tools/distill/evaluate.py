@@ -3,6 +3,7 @@ target's recorded distributions."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -116,3 +117,22 @@ def eval_command(what: Path, heldout: Path, target: Path | None, limit: int,
         torch.set_num_threads(threads)
     model, vmap = load_run(Path(what), target)
     return evaluate(torch_logits_fn(model, vmap), samples)
+
+
+def realistic_categories(data: Path | None, rows: int) -> list[str]:
+    """The category of each of the first ``rows`` rows of a directory that
+    ``python -m edge_client.bench.realistic_data`` wrote; empty for any other directory (or
+    when it holds a different number of rows)."""
+    path = Path(data) / "categories.json" if data is not None else None
+    if path is None or not path.exists():
+        return []
+    categories = json.loads(path.read_text())["categories"][:rows]
+    return categories if len(categories) == rows else []
+
+
+def by_category(samples: list[Sample], categories: list[str], score) -> dict:
+    """``score(samples)`` over each category's rows and over all of them."""
+    out = {c: score([s for s, k in zip(samples, categories, strict=True) if k == c])
+           for c in dict.fromkeys(categories)}
+    out["all"] = score(samples)
+    return out

@@ -29,7 +29,13 @@ from edge_client.tools.distill.common import (
     target_vocab_size,
     write_json,
 )
-from edge_client.tools.distill.evaluate import evaluate, format_result, torch_logits_fn
+from edge_client.tools.distill.evaluate import (
+    by_category,
+    evaluate,
+    format_result,
+    realistic_categories,
+    torch_logits_fn,
+)
 from edge_client.tools.distill.model import ArchConfig, arch_from_json, build_draft
 from edge_client.tools.distill.shards import Sample, heldout_samples, list_shards, load_samples
 from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap, build_vocab_map
@@ -240,6 +246,7 @@ def train(cfg: TrainConfig) -> dict:
     log.info("draft: %s, %.2fM params, vocab %d", arch, n_params / 1e6, vmap.size)
 
     heldout = heldout_samples(cfg.heldout, cfg.eval_samples)
+    categories = realistic_categories(cfg.heldout, len(heldout))
     metrics_log = run / "metrics.jsonl"
 
     def save() -> None:
@@ -314,9 +321,14 @@ def train(cfg: TrainConfig) -> dict:
             if heldout and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 model.eval()
                 res = evaluate(torch_logits_fn(model, vmap), heldout)
+                rec = {"step": step, "tokens_seen": state["tokens_seen"], "heldout": res}
+                if categories:  # the realistic set (module realistic_data): per category too
+                    rec["by_category"] = by_category(
+                        heldout, categories, lambda rows: evaluate(
+                            torch_logits_fn(model, vmap), rows)["greedy_alpha"])
                 model.train()
                 log.info("heldout @%d: %s", step, format_result(res))
-                append_jsonl(metrics_log, {"step": step, "heldout": res})
+                append_jsonl(metrics_log, rec)
             if (time.perf_counter() - last_ckpt >= cfg.ckpt_every_s
                     or (cfg.ckpt_every_steps and step % cfg.ckpt_every_steps == 0)):
                 save()

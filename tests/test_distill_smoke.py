@@ -338,3 +338,24 @@ def test_train_reports_tokens_seen_and_each_category_of_a_realistic_heldout(data
     for cat in set(categories):
         mine = [s for s, c in zip(samples, categories, strict=True) if c == cat]
         assert last[cat] == evaluate(torch_logits_fn(model, vmap), mine)["greedy_alpha"]
+
+
+def test_a_batch_of_prompts_longer_than_max_len_still_trains_on_their_continuations():
+    """Multi-turn prompts longer than max_len: cut from the left, each row keeps positions
+    whose targets are its first generated tokens (a batch of them once had none, and train
+    stopped with 'need at least one array to concatenate')."""
+    from edge_client.tools.distill.shards import Sample
+    from edge_client.tools.distill.train import make_batch
+
+    full_to_sub = np.arange(96)
+    rows = [Sample(np.arange(3, 3 + n) % 90 + 3, np.array([5, 6, 7, 8]),
+                   np.tile(np.array([[5, 6]]), (4, 1)), np.zeros((4, 2), np.float16), False)
+            for n in (40, 55)]
+    batch = make_batch(rows, full_to_sub, unk=95, max_len=32)
+    assert batch.input_ids.shape == (2, 32)
+    assert len(batch.rows) == 8  # all four continuation tokens of both rows
+    # the last prompt token of row 0 is the one before the continuation, at column 27
+    assert batch.input_ids[0, 27] == rows[0].prompt_ids[-1] and batch.input_ids[0, 28] == 5
+    short = Sample(np.array([3, 4]), np.array([5, 6]), np.tile(np.array([[5, 6]]), (2, 1)),
+                   np.zeros((2, 2), np.float16), False)
+    assert make_batch([short], full_to_sub, unk=95, max_len=32).input_ids.shape == (1, 4)

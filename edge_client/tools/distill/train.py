@@ -15,7 +15,7 @@ import random
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +83,15 @@ class Batch:
 
 def make_batch(samples: Sequence[Sample], full_to_sub: np.ndarray, unk: int,
                max_len: int) -> Batch:
-    """Right-padded draft ids and, for every generated token, p over in-subset ids."""
+    """Right-padded draft ids and, for every generated token, p over in-subset ids.
+
+    A prompt too long to leave room for its continuation inside ``max_len`` is cut from the
+    left (it keeps its end, which the continuation follows), so every row has positions to
+    train on: the corpus's multi-turn prompts exceed 320 tokens, and a batch of only such
+    rows cut from the right had none."""
     import torch
 
+    samples = [_fit(s, max_len) for s in samples]
     seqs, rows, t_ids, t_p = [], [], [], []
     width = min(max_len, max(len(s.prompt_ids) + len(s.gen_ids) for s in samples))
     for b, s in enumerate(samples):
@@ -112,6 +118,16 @@ def make_batch(samples: Sequence[Sample], full_to_sub: np.ndarray, unk: int,
     return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(rows_arr),
                  torch.from_numpy(np.concatenate(t_ids)), torch.from_numpy(np.concatenate(t_p)),
                  int(mask.sum()))
+
+
+def _fit(s: Sample, max_len: int) -> Sample:
+    """``s`` with its prompt cut from the left to leave at least min(its continuation,
+    max_len / 2) positions inside ``max_len`` (unchanged when it fits)."""
+    room = min(len(s.gen_ids), max_len // 2)
+    keep = max(1, max_len - room)
+    if len(s.prompt_ids) <= keep:
+        return s
+    return replace(s, prompt_ids=s.prompt_ids[-keep:])
 
 
 def distill_loss(logits, teacher_ids, teacher_p, tv_weight: float):

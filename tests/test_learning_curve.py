@@ -19,12 +19,14 @@ def _rec(step, tokens, alpha):
 def test_the_curve_starts_at_the_starting_weights_and_prints_every_category(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    lines = [{"step": 10, "loss": 1.0}, _rec(50, 150_000, 0.45), _rec(100, 300_000, 0.5)]
+    lines = [{"step": 10, "loss": 1.0}, _rec(50, 150_000, 0.4), _rec(50, 150_000, 0.45),
+             _rec(100, 300_000, 0.5)]  # step 50 twice: a resumed run's record replaces it
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     start = tmp_path / "start.json"
     start.write_text(json.dumps(_rec(0, 0, 0.42)))
     rows = curve(run, start)
     assert [r["step"] for r in rows] == [0, 50, 100]
+    assert rows[1]["by_category"]["all"] == 0.45
     text = table(rows)
     assert text.splitlines()[0] == ("| step | tokens seen | greedy alpha | tokens/round K=4 | "
                                     "email | ime |")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 def curve(run: Path, start: Path | None = None) -> list[dict]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
-    rows = [r for r in rows if "by_category" in r]
+    # a resumed run evaluates again the steps after its checkpoint: the later record counts
+    rows = list({r["step"]: r for r in rows if "by_category" in r}.values())
     if start is not None:
         rows.insert(0, json.loads(start.read_text()))
     if not rows:

@@ -3,11 +3,11 @@ on a fresh machine continues the corpus instead of writing it again.
 
 Why: a session's machine is replaced between sessions and only the repository survives, while
 ten million target tokens take the target dozens of CPU-hours to write. The shards themselves
-cannot travel (top-64 ids and log-probabilities are ~380 bytes a token, 3.8 GB at 10M); the
-token ids can (2 bytes a token, compressed). Writing a token costs the target one decode step
-in a batch; labelling a written token again (its top-k, teacher-forced) is one position of a
-prefill, which is cheaper, so restoring a shard beats writing it again, and the data is the
-same data rather than a new draw.
+cannot travel (top-64 ids and log-probabilities are ~260 bytes a token, 218 MB at 847k); the
+token ids can (2 bytes a token, compressed). A restore skips the prompt stage (half of a
+chunk's wall time) and gives back the same data rather than a new draw; labelling with the
+built-in float32 target made 280 data tokens/s on the AVX512-BF16 host, where vLLM in bfloat16
+writes 466-506 (docs/draft-data.md), so labelling through vLLM is the next speed-up.
 
 Layout: ``DIR/settings.json`` (the corpus settings, checked like ``corpus.json``'s) and per chunk
 ``DIR/chunk-NNNN/chunk.json`` (its manifest entry and the SHA-256 of its prompt file),

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Committed data beside the training tools and the drafts; tokenizer vocabularies hold tokens,
 # not text anyone wrote.
 DATA_DIRS = ("edge_client/tools", "edge_client/drafts")
-DATA_SUFFIXES = (".json", ".jsonl", ".txt")
+DATA_SUFFIXES = (".json", ".jsonl", ".txt", ".gz")  # .gz: the corpus archive's prompt files
 NOT_TEXT = {"tokenizer.json", "vocab.json", "merges.txt"}
 
 
@@ -34,6 +34,11 @@ def _strings(obj) -> list[str]:
 
 
 def _json_strings(path: Path) -> list[str]:
+    if path.suffix == ".gz":  # corpus_ids/chunk-*/data-prompts.jsonl.gz
+        import gzip
+
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        return [s for line in text.splitlines() if line.strip() for s in _strings(json.loads(line))]
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".txt":
         return text.splitlines()
@@ -60,6 +65,7 @@ def committed_texts() -> list[str]:
     paths = [p for d in DATA_DIRS for p in sorted((ROOT / d).rglob("*"))
              if p.suffix in DATA_SUFFIXES and p.name not in NOT_TEXT and p.is_file()]
     assert any(p.parent.name == "prompts" for p in paths)  # the generator's own tables
+    assert any(p.name == "data-prompts.jsonl.gz" for p in paths)  # the corpus's prompts
     return [s for p in paths for s in _json_strings(p)]
 
 

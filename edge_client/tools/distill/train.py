@@ -341,7 +341,8 @@ def train(cfg: TrainConfig) -> dict:
                 if categories:  # the realistic set (module realistic_data): per category too
                     rec["by_category"] = by_category(
                         heldout, categories, lambda rows: evaluate(
-                            torch_logits_fn(model, vmap), rows)["greedy_alpha"])
+                            torch_logits_fn(model, vmap), rows)["greedy_alpha"],
+                        overall=res["greedy_alpha"])
                 model.train()
                 log.info("heldout @%d: %s", step, format_result(res))
                 append_jsonl(metrics_log, rec)

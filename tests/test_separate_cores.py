@@ -59,3 +59,19 @@ def test_it_runs_every_draft_length_and_stop_confidence_given(tiny_llama_pair, t
         f"{protocol}+combined/K={k}/stop={stop}" for protocol in ("rounds", "lookahead")
         for k in (2, 4) for stop in ("0", "0.5")} | {"cloud"}
     assert report["draft_len"] == [2, 4] and report["stop_confidence"] == [0.0, 0.5]
+
+
+def test_several_drafts_take_turns_on_every_prompt(tiny_llama_pair, tmp_path):
+    """Two --draft-dir copies of one draft: each gets its own runs, named @DIRNAME, on the same
+    prompts; being the same draft, they need the same target forwards per token."""
+    import shutil
+
+    a, b = (shutil.copytree(tiny_llama_pair.draft_dir, tmp_path / name) for name in "ab")
+    report = run_bench(tiny_llama_pair, tmp_path / "cores.json", "--max-new-tokens", "6",
+                       "--drafters", "model", "--draft-dir", str(a), str(b))
+    assert set(report["tokens_per_s_median"]) == {
+        f"{protocol}@{name}" for protocol in ("rounds", "lookahead") for name in "ab"} | {"cloud"}
+    forwards = report["target_forwards_per_token_mean"]
+    assert forwards["rounds@a"] == pytest.approx(forwards["rounds@b"])
+    assert report["vs_cloud_paired"]["cloud"] == pytest.approx(1.0)
+    assert report["draft_dirs"] == [str(a), str(b)]

@@ -6,16 +6,21 @@ second of speculative generation (Verify rounds and lookahead) against cloud-onl
 
     python -m edge_client.bench.separate_cores --per-category 2 --json PATH
     python -m edge_client.bench.separate_cores --feature-head DIR ...   # + the feature head
+    python -m edge_client.bench.separate_cores --draft-dir A B ...      # two drafts, interleaved
 
 Each drafter of ``--drafters`` (default: model and combined) runs Verify rounds and lookahead
 (named ``rounds`` and ``lookahead`` for the model, ``rounds+NAME`` and ``lookahead+NAME`` for
 the others), at each ``--draft-len`` and ``--stop-confidence`` given (a name gains ``/K=8``
-or ``/stop=0.1`` when several values are measured). With ``--feature-head`` two more clients
-take their turn on every prompt: Verify rounds and lookahead drafting with the feature head
-(``drafter="feature"``), against the same verifier (which must serve features: the default).
+or ``/stop=0.1`` when several values are measured, and ``@DIRNAME`` when several
+``--draft-dir`` are: their clients take turns on every prompt, so a slow spell of the host
+hits every draft alike, which runs one after the other cannot promise). With
+``--feature-head`` two more clients take their turn on every prompt: Verify rounds and
+lookahead drafting with the feature head (``drafter="feature"``), against the same verifier
+(which must serve features: the default).
 
 Greedy, so every protocol commits the same tokens; tokens/s counts the generation from its
-first message to its last token. Needs two cores (``os.sched_setaffinity``).
+first message to its last token. ``vs_cloud_paired`` is the median over prompts of each
+run's tokens/s over cloud-only's on the same prompt. Needs two cores (``os.sched_setaffinity``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def _prompt_ids(client: EdgeClient, prompt) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="separate_cores", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="target checkpoint (default: prepared)")
-    p.add_argument("--draft-dir", type=Path, default=None)
+    p.add_argument("--draft-dir", type=Path, nargs="+", default=[None],
+                   help="draft directories (default: the shipped draft); several take turns")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, nargs="+", default=[4])
@@ -65,15 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.feature_head is not None:
         drafters.append(FEATURE)
     ks, stops = list(dict.fromkeys(args.draft_len)), list(dict.fromkeys(args.stop_confidence))
+    drafts = list(dict.fromkeys(args.draft_dir))
+    if len({d.name for d in drafts if d is not None}) < len(drafts):
+        raise SystemExit("--draft-dir: give directories with different names")
 
-    def run_name(protocol: str, kind: str, k: int, stop: float) -> str:
+    def run_name(protocol: str, kind: str, k: int, stop: float, draft: Path | None) -> str:
         return (protocol + ("" if kind == "model" else f"+{kind}")
                 + (f"/K={k}" if len(ks) > 1 else "")
-                + (f"/stop={stop:g}" if len(stops) > 1 else ""))
+                + (f"/stop={stop:g}" if len(stops) > 1 else "")
+                + (f"@{draft.name}" if len(drafts) > 1 else ""))
 
-    runs = {run_name(protocol, kind, k, stop): (protocol, kind, k, stop)
-            for kind in drafters for k in ks for stop in stops for protocol in DRAFTED}
-    runs["cloud"] = ("cloud", "model", ks[0], 0.0)
+    runs = {run_name(protocol, kind, k, stop, draft): (protocol, kind, k, stop, draft)
+            for draft in drafts for kind in drafters for k in ks for stop in stops
+            for protocol in DRAFTED}
+    runs["cloud"] = ("cloud", "model", ks[0], 0.0, drafts[0])
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("separate_cores needs two cores")
     prompts = [q for c in CATEGORIES for q in load_eval([c])[:args.per_category]]
@@ -89,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         local_verifier.wait_serving(f"127.0.0.1:{port}", proc)
         configs = {run: GenerationConfig(max_new_tokens=args.max_new_tokens, draft_len=k,
                                          ignore_eos=True, drafter=kind, stop_confidence=stop)
-                   for run, (_, kind, k, stop) in runs.items()}
-        clients = {run: EdgeClient(f"127.0.0.1:{port}", args.draft_dir, protocol=protocol,
+                   for run, (_, kind, k, stop, _) in runs.items()}
+        clients = {run: EdgeClient(f"127.0.0.1:{port}", draft, protocol=protocol,
                                    rtt_ms=args.rtt_ms, intra_op_threads=1,
                                    feature_head=args.feature_head if kind == FEATURE
                                    else None)
-                   for run, (protocol, kind, _, _) in runs.items()}
+                   for run, (protocol, kind, _, _, draft) in runs.items()}
         try:
             for prompt in prompts:  # the protocols take turns on each prompt
                 outputs = []
@@ -125,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                                             for k, v in bytes_down.items()},
               "bytes_up_per_token_mean": {k: statistics.fmean(v) for k, v in bytes_up.items()}}
     report["vs_cloud"] = {k: v / cloud for k, v in report["tokens_per_s_median"].items()}
+    report["vs_cloud_paired"] = {
+        k: statistics.median(a / c for a, c in zip(v, results["cloud"], strict=True))
+        for k, v in results.items()}
+    report["draft_dirs"] = [str(d) if d else "shipped" for d in drafts]
     for name in runs:
-        print(f"{name:17s} {report['tokens_per_s_median'][name]:6.1f} tok/s (median of "
-              f"{len(prompts)}), {report['vs_cloud'][name]:.2f}x cloud-only, "
+        print(f"{name:24s} {report['tokens_per_s_median'][name]:6.1f} tok/s (median of "
+              f"{len(prompts)}), {report['vs_cloud'][name]:.2f}x cloud-only "
+              f"({report['vs_cloud_paired'][name]:.2f}x paired), "
               f"{report['target_forwards_per_token_mean'][name]:.3f} target forwards/token, "
               f"{report['bytes_down_per_token_mean'][name]:.0f} B down and "
               f"{report['bytes_up_per_token_mean'][name]:.0f} B up per token")

@@ -16,17 +16,21 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_distill_smoke import TINY_ARCH, _train_cfg, data  # noqa: F401  (data: the fixture)
+from test_distill_smoke import SUB_VOCAB, TINY_ARCH, _train_cfg, data  # noqa: F401  (data: fixture)
 
 from edge_client.tools.distill.cli import main as distill_main
 from edge_client.tools.distill.evaluate import onnx_logits_fn, torch_logits_fn
 from edge_client.tools.distill.export import ExportConfig, export
-from edge_client.tools.distill.model import load_run
+from edge_client.tools.distill.model import ArchConfig, load_run
 from edge_client.tools.distill.onnx_import import Weight, combine_tied, import_onnx
 from edge_client.tools.distill.train import train
 
 INT8_LOGIT_ATOL = 0.05  # measured max |diff| 0.0094 (mean 0.0016, logit std 0.25)
 INT8_ARGMAX_AGREE = 0.9  # measured 1.0 on 48 positions
+# The fused graph wants head_dim a multiple of 16 (GroupQueryAttention's CPU kernel), and
+# rotary tables past the export's step timing (128 + 32 positions).
+FUSED_ARCH = ArchConfig(init="scratch", hidden=64, layers=1, heads=4, kv_heads=2,
+                        intermediate=128, sub_vocab=SUB_VOCAB, max_positions=256)
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,31 @@ def test_export_of_an_imported_run_carries_the_source_card(data, exported, tmp_p
     assert "## Training" in head and "\n### Training\n" in tail
     assert source.splitlines()[0].startswith("# ") and "\n#" + source.splitlines()[0] in tail
     assert "- steps 4," in tail  # the source's own training, as written when it was exported
+
+
+def test_the_fused_graph_with_a_shared_table_and_int4_imports_too(data, tmp_path):  # noqa: F811
+    """The shipped kind of draft: ``--graph fused --share-embedding --int4 gate_proj``. Its
+    packed qkv splits back into q, k and v, its 4-bit gate_proj dequantizes to within half a
+    block step (symmetric 4-bit: 1/14 of the block's largest weight at most, checked as 1/10 of
+    the tensor's), the tied matrix comes from the shared table alone, and the imported model
+    gives the ONNX's argmax."""
+    train(_train_cfg(data, tmp_path / "run", steps=2, arch=FUSED_ARCH))
+    export(ExportConfig(tmp_path / "run", tmp_path / "draft", None, data["target"],
+                        fp32_out=tmp_path / "fp32", twin_out=tmp_path / "twin",
+                        measure_target=False, graph="fused", share_embedding=True,
+                        int4=("gate_proj",)))
+    orig = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["model"]
+    report = import_onnx(tmp_path / "draft", tmp_path / "imported", data["target"],
+                         check_tokens=16)
+    sources = report["sources"]
+    assert "packed qkv" in sources["model.layers.0.self_attn.k_proj.weight"]
+    assert "MatMulNBits" in sources["model.layers.0.mlp.gate_proj.weight"]
+    assert sources["model.embed_tokens.weight"].startswith("shared with lm_head")
+    model, vmap = load_run(tmp_path / "imported", data["target"])
+    state = model.state_dict()
+    assert set(state) == set(orig)
+    for k, ref in orig.items():
+        err = float((state[k] - ref).abs().max())
+        bound = 1e-6 if "norm" in k else float(ref.abs().max()) / (10 if "gate" in k else 100)
+        assert err <= bound, (k, err, bound)
+    assert report["fidelity"]["argmax_agree"] >= INT8_ARGMAX_AGREE

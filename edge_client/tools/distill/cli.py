@@ -122,8 +122,9 @@ def parse_args(argv: Sequence[str] | None):
                    help="MatMulNBits accuracy_level (4: int8 activations, the faster on the "
                         "2-core VM; 0: fp32)")
 
-    i = sub.add_parser("import-onnx", help="a shipped ONNX draft dir (int8 or fp32) back into "
-                                           "a finished run dir for train --init-from")
+    i = sub.add_parser("import-onnx", help="a shipped ONNX draft dir (traced or fused graph; "
+                                           "int8, 4-bit or fp32) back into a finished run dir "
+                                           "for train --init-from")
     i.add_argument("--draft", type=Path, required=True, help="dir with model.onnx + config.json")
     i.add_argument("--out", type=Path, required=True, help="the run dir to write")
     i.add_argument("--target", type=Path, default=None)

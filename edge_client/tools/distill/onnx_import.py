@@ -7,15 +7,22 @@ from ``config.json``), ``vocab_map.npz`` (the sub-vocabulary, copied) and ``ckpt
 (the weights, read out of the graph).
 
 Weights are found by tracing the graph by node name, not by initializer name (optimum's
-export names most of them ``onnx::MatMul_<n>``): the MatMul or MatMulInteger named
+export names most of them ``onnx::MatMul_<n>``): the MatMul, MatMulInteger or MatMulNBits named
 ``/model/layers.<i>/<self_attn|mlp>/<x>_proj/MatMul...`` reads that projection's weight,
 ``/lm_head/MatMul...`` the LM head's, the Gather in ``/model/embed_tokens/`` the embedding,
-the Mul in ``.../<input|post_attention>_layernorm/`` and ``/model/norm/`` the RMSNorm scales.
-ONNX MatMul weights are [in, out]; torch Linear weights are [out, in], so they are transposed.
+the Mul (or the fused graph's [Skip]SimplifiedLayerNormalization) in
+``.../<input|post_attention>_layernorm`` and ``/model/norm`` the RMSNorm scales. ONNX MatMul
+weights are [in, out]; torch Linear weights are [out, in], so they are transposed. The fused
+graph (``tools.fused_graph``) packs each layer's q, k and v into one
+``/model/layers.<i>/attn/qkv_proj`` weight, split here by the heads in ``config.json``, and
+with ``--share-embedding`` its embedding is a lookup into the LM head's table, so the head
+alone gives the tied matrix.
 
 Quantized weights are dequantized as (q - zero_point) * scale: the int8 MatMulInteger
 weights of ``quantize_dynamic`` (per output column), the weight-only DequantizeLinear ones of
-``quantize.weight_only_int8`` and the uint8 per-tensor embedding table behind its Gather. The
+``quantize.weight_only_int8``, the symmetric 4-bit blocks of ``quantize.int4_matmuls``
+(MatMulNBits: nibbles low first, zero point 8) and the uint8 per-tensor embedding table
+behind its Gather. The
 dequantized value is the original up to half a quantization step. The drafts train with tied
 embeddings, but the export stores the LM head apart from the embedding (``untie_lm_head``) and
 quantizes both, each with its own step: every original weight lies in both rounding intervals,
@@ -46,8 +53,12 @@ log = logging.getLogger("edgespec.distill")
 
 IMPORT_FILE = "import.json"
 
-_PROJ = re.compile(r"^/model/layers\.(\d+)/(self_attn|mlp)/(q|k|v|o|gate|up|down)_proj/MatMul")
-_NORM = re.compile(r"^/model/(?:layers\.(\d+)/)?(input_layernorm|post_attention_layernorm|norm)/")
+_PROJ = re.compile(
+    r"^/model/layers\.(\d+)/(self_attn|attn|mlp)/(q|k|v|o|qkv|gate|up|down)_proj/MatMul")
+_NORM = re.compile(
+    r"^/model/(?:layers\.(\d+)/)?(input_layernorm|post_attention_layernorm|norm)(?:/|$)")
+_MATMULS = ("MatMul", "MatMulInteger", "MatMulNBits")
+_NORM_OPS = ("Mul", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 
 @dataclass
@@ -164,6 +175,8 @@ class _Graph:
             w = self.resolve(node.input[1])
         elif node.op_type == "MatMulInteger":
             w = self._matmul_integer_weight(node)
+        elif node.op_type == "MatMulNBits":
+            w = self._matmul_nbits_weight(node)
         else:
             w = None
         if w is None:
@@ -187,6 +200,21 @@ class _Graph:
         if scale is None:
             raise ValueError(f"node {node.name}: the scale of {node.input[1]} is not found")
         return _dequantize(q, scale, zp, 1, "MatMulInteger")
+
+    def _matmul_nbits_weight(self, node) -> Weight | None:
+        """MatMulNBits' packed [N, blocks, bytes] 4-bit weight as [K, N] (in, out)."""
+        packed, scale = self.const(node.input[1]), self.const(node.input[2])
+        if packed is None or scale is None:
+            return None
+        if (len(node.input) > 3 and node.input[3]) or self.attr(node, "bits", 4) != 4:
+            raise ValueError(f"node {node.name}: only symmetric 4-bit MatMulNBits is known")
+        k, n, block = (int(self.attr(node, a, 0)) for a in ("K", "N", "block_size"))
+        packed = packed.reshape(n, -1)
+        nibbles = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1, block)
+        scale = scale.astype(np.float32).reshape(n, -1, 1)
+        value = ((nibbles.astype(np.float32) - 8.0) * scale).reshape(n, -1)[:, :k]
+        step = np.broadcast_to(scale, nibbles.shape).reshape(n, -1)[:, :k]
+        return Weight(value.T, step.T, "MatMulNBits 4-bit per-block")
 
     def gather_table(self, node) -> Weight:
         """The embedding table a Gather reads: fp32, or quantized with a DequantizeLinear on
@@ -245,25 +273,45 @@ def read_weights(onnx_path: Path, arch: ArchConfig, vocab: int) -> tuple[dict, d
     g = _Graph(onnx_path)
     found: dict[str, Weight] = {}
     emb = head = None
+    head_reads = {i for n in g.graph.node if (n.name or "").startswith("/lm_head/")
+                  for i in n.input}
+    shared = False  # the embedding is a lookup into the LM head's own table
     for node in g.graph.node:
         name = node.name or ""
         m = _PROJ.match(name)
-        if m and node.op_type in ("MatMul", "MatMulInteger"):
-            key = f"model.layers.{m[1]}.{m[2]}.{m[3]}_proj.weight"
+        if m and node.op_type in _MATMULS:
             w = g.matmul_weight(node)
-            found[key] = Weight(w.value.T, None if w.step is None else
-                                np.broadcast_to(w.step, w.value.shape).T, w.source)
-        elif name.startswith("/lm_head/MatMul") and node.op_type in ("MatMul", "MatMulInteger"):
+            w = Weight(w.value.T, None if w.step is None else
+                       np.broadcast_to(w.step, w.value.shape).T, w.source)
+            module = "self_attn" if m[2] == "attn" else m[2]
+            parts = _split_qkv(w, arch) if m[3] == "qkv" else {m[3]: w}
+            for proj, part in parts.items():
+                found[f"model.layers.{m[1]}.{module}.{proj}_proj.weight"] = part
+        elif name.startswith("/lm_head/MatMul") and node.op_type in _MATMULS:
             head = g.matmul_weight(node)  # [H, V]
         elif name.startswith("/model/embed_tokens/") and node.op_type == "Gather":
-            emb = g.gather_table(node)  # [V, H]
-        elif (m := _NORM.match(name)) and node.op_type == "Mul":
+            if node.input[0] in head_reads:
+                shared = True
+            elif emb is None:
+                emb = g.gather_table(node)  # [V, H]
+        elif (m := _NORM.match(name)) and node.op_type in _NORM_OPS:
             vec = [g.const(i) for i in node.input]
             vec = [v for v in vec if v is not None and v.ndim == 1 and v.size == arch.hidden]
             if len(vec) == 1:
                 key = (f"model.layers.{m[1]}.{m[2]}.weight" if m[1] is not None
                        else "model.norm.weight")
                 found[key] = Weight(vec[0].astype(np.float32), None, "fp32")
+    if shared and head is not None:
+        head_t = head.value.T
+        if head_t.shape != (vocab, arch.hidden):
+            raise ValueError(f"shared LM head {head.value.shape}, expected ({arch.hidden}, "
+                             f"{vocab})")
+        weights = {k: w.value for k, w in found.items()}
+        weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = head_t
+        sources = {k: w.source for k, w in found.items()}
+        sources["model.embed_tokens.weight"] = "shared with lm_head " + head.source
+        sources["lm_head.weight"] = "tied to model.embed_tokens.weight"
+        return weights, sources
     if emb is None:
         raise ValueError(f"{onnx_path}: no /model/embed_tokens/ Gather")
     if emb.value.shape != (vocab, arch.hidden):
@@ -282,6 +330,20 @@ def read_weights(onnx_path: Path, arch: ArchConfig, vocab: int) -> tuple[dict, d
     weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = tied
     sources["lm_head.weight"] = "tied to model.embed_tokens.weight"
     return weights, sources
+
+
+def _split_qkv(w: Weight, arch: ArchConfig) -> dict[str, Weight]:
+    """The fused graph's packed [q; k; v] rows [out, in] back into the three projections."""
+    head_dim = arch.hidden // arch.heads
+    sizes = (arch.heads * head_dim, arch.kv_heads * head_dim, arch.kv_heads * head_dim)
+    if w.value.shape[0] != sum(sizes):
+        raise ValueError(f"qkv_proj has {w.value.shape[0]} rows, the heads in config.json "
+                         f"give {sum(sizes)}")
+    cuts = np.cumsum(sizes)[:-1]
+    steps = [None] * 3 if w.step is None else np.split(
+        np.broadcast_to(w.step, w.value.shape), cuts)
+    return {p: Weight(v, st, w.source + " (packed qkv)")
+            for p, v, st in zip("qkv", np.split(w.value, cuts), steps, strict=True)}
 
 
 def import_onnx(draft: Path, out: Path, target: Path | None = None,

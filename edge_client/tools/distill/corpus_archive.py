@@ -76,17 +76,20 @@ def pack(out: Path, archive: Path, manifest: dict) -> int:
         if not prompts.exists():
             continue
         adir.mkdir(parents=True, exist_ok=True)
-        gz = adir / "data-prompts.jsonl.gz"
-        if not gz.exists():
+        gz, meta_path = adir / "data-prompts.jsonl.gz", adir / "chunk.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if not gz.exists() or "prompts_sha256" not in meta:
             # mtime=0: the same prompts give the same bytes, so git sees no change on a repack
             raw = gzip.compress(prompts.read_bytes(), mtime=0)
             _atomic(gz, lambda p, b=raw: p.write_bytes(b))
+            meta["prompts_sha256"] = _digest(prompts)  # a chunk's prompt file is written once
         for shard in sorted((cdir / "data").glob("shard-*.npz")):
             target = adir / shard.name
             if not target.exists():
                 _atomic(target, lambda p, s=shard: _write_ids(s, p))
                 packed += 1
-        write_json(adir / "chunk.json", {"entry": entry, "prompts_sha256": _digest(prompts)})
+        if meta.get("entry") != entry:  # after every shard: rewrite only what changed
+            write_json(meta_path, {"entry": entry, "prompts_sha256": meta["prompts_sha256"]})
     return packed
 
 
@@ -147,14 +150,12 @@ def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path |
     from edge_client.tools.distill.data import record_shard
     from edge_client.tools.distill.magpie import progress_bar
 
-    todo = [(c, s) for c in sorted(archive.glob("chunk-*")) if (c / "chunk.json").exists()
-            for s in sorted(c.glob("shard-*.npz")) if not (out / c.name / "data" / s.name).exists()]
+    chunks = [c for c in sorted(archive.glob("chunk-*")) if (c / "chunk.json").exists()]
+    todo = [(c, s) for c in chunks for s in sorted(c.glob("shard-*.npz"))
+            if not (out / c.name / "data" / s.name).exists()]
     done = {"shards": 0, "tokens": 0, "seconds": 0.0, "left": len(todo)}
-    for adir in sorted(archive.glob("chunk-*")):
-        meta_path = adir / "chunk.json"
-        if not meta_path.exists():
-            continue
-        meta = json.loads(meta_path.read_text())
+    for adir in chunks:
+        meta = json.loads((adir / "chunk.json").read_text())
         cdir = out / adir.name
         prompts = cdir / "data-prompts.jsonl"
         if not prompts.exists():

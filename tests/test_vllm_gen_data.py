@@ -115,3 +115,26 @@ def test_seeded_rows_with_more_prompt_than_a_step_holds(writer):
     again = writer.generate(rows, 8, TOP_K, 0.8, seed=5)
     assert [len(s.gen_ids) for s in first] == [8] * len(rows)
     assert all(np.array_equal(a.gen_ids, b.gen_ids) for a, b in zip(first, again, strict=True))
+
+
+def test_labels_from_prompt_logprobs_match_what_generation_recorded(data, writer):
+    """A corpus restore labels archived ids with ``VllmWriter.label``: one prefill of prompt +
+    continuation, p's top-k read from vLLM's prompt logprobs. On a shard that vLLM wrote in
+    float32 they are the recorded ones: the top-1 at every position (ties below 1e-3 aside)
+    and log p within 1e-2 (the prefill and the decode steps batch differently)."""
+    from edge_client.tools.distill.shards import Sample
+
+    cfg, _ = data
+    rows = [s for p in list_shards(cfg.out) for s in read_shard(p)]
+    bare = [Sample(s.prompt_ids, s.gen_ids, np.zeros((0, 0), np.int64),
+                   np.zeros((0, 0), np.float16), s.sampled) for s in rows]
+    labelled = writer.label(bare, TOP_K)
+    positions = 0
+    for s, got in zip(rows, labelled, strict=True):
+        assert got.topk_ids.shape == s.topk_ids.shape and np.array_equal(got.gen_ids, s.gen_ids)
+        clear = (s.topk_logp[:, 0].astype(np.float32) - s.topk_logp[:, 1]) > 1e-3
+        assert np.array_equal(got.topk_ids[clear, 0], s.topk_ids[clear, 0])
+        np.testing.assert_allclose(got.topk_logp[:, 0].astype(np.float32),
+                                   s.topk_logp[:, 0].astype(np.float32), atol=1e-2)
+        positions += len(s.gen_ids)
+    assert positions >= PROMPTS  # every row had tokens to compare

@@ -193,8 +193,13 @@ class Corpus:
             return none
         from edge_client.tools.distill.corpus_archive import restore
 
+        labelling = {}
+        if self.cfg.engine == "vllm":  # vLLM's prefill labels faster than the built-in target
+            dtype = resolve_dtype(self.cfg.dtype, "vllm", self.host)
+            labelling = {"labeller": lambda rows: self._writer(dtype).label(rows, self.cfg.top_k),
+                         "labels": engine_label("vllm", dtype)}
         done = restore(self.archive, self.out, self.manifest, self.cfg.top_k, self.cfg.target,
-                       time_left=self.time_left, progress=self.cfg.progress)
+                       time_left=self.time_left, progress=self.cfg.progress, **labelling)
         for name, entry in self.manifest["chunks"].items():
             archived = len(list((self.archive / name).glob("shard-*.npz")))
             local = self.out / name / "data"

@@ -5,9 +5,10 @@ Why: a session's machine is replaced between sessions and only the repository su
 ten million target tokens take the target dozens of CPU-hours to write. The shards themselves
 cannot travel (top-64 ids and log-probabilities are ~260 bytes a token, 218 MB at 847k); the
 token ids can (2 bytes a token, compressed). A restore skips the prompt stage (half of a
-chunk's wall time) and gives back the same data rather than a new draw; labelling with the
-built-in float32 target made 280 data tokens/s on the AVX512-BF16 host, where vLLM in bfloat16
-writes 466-506 (docs/draft-data.md), so labelling through vLLM is the next speed-up.
+chunk's wall time) and gives back the same data rather than a new draw. The top-k are
+labelled again, teacher-forced, by the corpus's engine: vLLM's prompt logprobs
+(``VllmWriter.label``, one prefill a row) or the built-in target (``data.label_rows``; 280 data
+tokens/s in float32 on the AVX512-BF16 host, where vLLM in bfloat16 writes 466-506).
 
 Layout: ``DIR/settings.json`` (the corpus settings, checked like ``corpus.json``'s) and per chunk
 ``DIR/chunk-NNNN/chunk.json`` (its manifest entry and the SHA-256 of its prompt file),
@@ -16,8 +17,8 @@ ids as uint16, offsets, the greedy/sampled flags and prompt indices: ``shards.wr
 arrays less the top-k). Every file is written atomically and only once it is complete.
 
 Restoring writes the chunk's prompt file back byte for byte (checked against its digest) and
-each shard with the top-k that the built-in target computes over prompt + continuation
-(``data.label_rows``); ``gen-data`` then goes on with the chunk's next shard as if it had
+each shard with the top-k that the labeller computes over prompt + continuation; ``gen-data``
+then goes on with the chunk's next shard as if it had
 never stopped. The manifest says which shards were labelled again and by what.
 """
 
@@ -38,7 +39,7 @@ from edge_client.tools.distill.shards import Sample, write_shard
 
 log = logging.getLogger("edgespec.distill")
 
-LABELS = "builtin-float32"  # who labels restored shards (the built-in target, teacher-forced)
+LABELS = "builtin-float32"  # the default labeller of restored shards: the built-in target
 
 
 def _digest(path: Path) -> str:
@@ -143,10 +144,12 @@ class _Labeller:
 
 
 def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path | None = None,
-            batch_size: int = 8, time_left=None, progress: bool = True) -> dict:
+            batch_size: int = 8, time_left=None, progress: bool = True,
+            labeller=None, labels: str = LABELS) -> dict:
     """Writes back into ``out`` every archived chunk and shard that ``out`` lacks, the top-k
-    labelled again by the built-in target. Updates ``manifest`` (the caller saves it) and
-    returns what it restored. Stops between shards when ``time_left(seconds)`` says no."""
+    labelled again by ``labeller(samples) -> samples`` (named ``labels`` in the manifest;
+    default: the built-in target). Updates ``manifest`` (the caller saves it) and returns what
+    it restored. Stops between shards when ``time_left(seconds)`` says no."""
     from edge_client.tools.distill.data import record_shard
     from edge_client.tools.distill.magpie import progress_bar
 
@@ -165,10 +168,10 @@ def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path |
                 raise ValueError(f"{adir}: the archived prompt file does not match its digest")
             _atomic(prompts, lambda p, b=raw: p.write_bytes(b))
         if adir.name not in manifest["chunks"]:
-            manifest["chunks"][adir.name] = {**meta["entry"], "restored": {"labels": LABELS}}
+            manifest["chunks"][adir.name] = {**meta["entry"], "restored": {"labels": labels}}
     if not todo:
         return done
-    labeller = _Labeller(target, top_k, batch_size)
+    labeller = labeller or _Labeller(target, top_k, batch_size)
     bar = progress_bar(len(todo), 0, "restore", progress, unit="shard")
     last_s = 0.0
     try:
@@ -186,9 +189,9 @@ def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path |
             last_s = time.perf_counter() - t0
             engine = manifest["chunks"][adir.name].get("engine", "unknown")
             record_shard(data, shard.name, len(samples), tokens, last_s,
-                         engine=f"{engine}, labels {LABELS} (restored)")
+                         engine=f"{engine}, labels {labels} (restored)")
             entry = manifest["chunks"][adir.name]
-            entry.setdefault("restored", {"labels": LABELS})
+            entry.setdefault("restored", {"labels": labels})
             entry["restored"]["shards"] = entry["restored"].get("shards", 0) + 1
             entry["restored"]["seconds"] = round(entry["restored"].get("seconds", 0) + last_s, 1)
             done["shards"] += 1

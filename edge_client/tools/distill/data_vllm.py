@@ -72,6 +72,31 @@ class VllmWriter:
                                     params, use_tqdm=False)
         return [_sample(r, out.outputs[0], top_k) for r, out in zip(rows, outputs, strict=True)]
 
+    def label(self, samples: list[Sample], top_k: int) -> list[Sample]:
+        """The rows again with p's top-k at every generated token, teacher-forced: one
+        prefill of prompt + continuation each, read from vLLM's prompt logprobs (entry j is
+        the distribution that decided token j, so the continuation's entries are p's at the
+        generated tokens). What a corpus restore labels with (``corpus_archive``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seqs = [np.concatenate([s.prompt_ids, s.gen_ids]).astype(np.int64).tolist()
+                for s in samples]
+        for s, seq in zip(samples, seqs, strict=True):
+            if len(seq) >= self.max_context or not len(s.prompt_ids):
+                raise ValueError(f"a row of {len(seq)} tokens ({len(s.prompt_ids)} of prompt) "
+                                 f"cannot be labelled under the context of {self.max_context}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k,
+                                flat_logprobs=True, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=x) for x in seqs], params,
+                                    use_tqdm=False)
+        out = []
+        for s, o in zip(samples, outputs, strict=True):
+            p, g = len(s.prompt_ids), len(s.gen_ids)
+            ids, logp = top_k_rows(o.prompt_logprobs[p:p + g], g, top_k)
+            out.append(Sample(s.prompt_ids, s.gen_ids, ids, logp, s.sampled))
+        return out
+
     def params(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
                stop: list[int], name: str = "a prompt", **extra: Any) -> Any:
         """vLLM's sampling parameters for one token-id prompt: up to ``max_new_tokens`` (less

@@ -41,3 +41,17 @@ def test_a_run_without_per_category_evaluations_is_refused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     with pytest.raises(SystemExit, match="no per-category evaluation"):
         curve(tmp_path)
+
+
+def test_runs_that_continue_one_another_make_one_curve(tmp_path):
+    """A second run trained from the first's weights: its tokens count on from the first's
+    last evaluation, its rows are named after it."""
+    first, second = tmp_path / "v8a", tmp_path / "v8b"
+    for run, recs in ((first, [_rec(50, 100_000, 0.43), _rec(100, 200_000, 0.44)]),
+                      (second, [_rec(50, 120_000, 0.45)])):
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in recs))
+    rows = curve([first, second])
+    assert [r["step"] for r in rows] == [50, 100, "v8b:50"]
+    assert [r["tokens_seen"] for r in rows] == [100_000, 200_000, 320_000]
+    assert "| v8b:50 | 320,000 | 0.450 |" in table(rows)

@@ -1,11 +1,13 @@
-"""``python -m edge_client.bench.learning_curve RUN [--start FILE] [--png PATH]``: a training
-run's learning curve on the realistic set, greedy alpha against target tokens seen, overall and
-per category, as a Markdown table (and a PNG).
+"""``python -m edge_client.bench.learning_curve RUN [RUN ...] [--start FILE] [--png PATH]``: a
+training run's learning curve on the realistic set, greedy alpha against target tokens seen,
+overall and per category, as a Markdown table (and a PNG).
 
 It reads what ``train --heldout <realistic dir>`` logged (``metrics.jsonl``: ``tokens_seen``,
 ``heldout``, ``by_category`` at every evaluation; see ``bench.realistic_data``). ``--start``
 adds the starting weights' row (the same record, measured before step 1), so the curve begins
-where the run began."""
+where the run began. Several runs are one curve when each started from the one before
+(``train --init-from``): a later run's tokens and steps count on from where the earlier ended, and
+its rows are named ``RUNNAME:step``."""
 
 from __future__ import annotations
 
@@ -14,14 +16,24 @@ import json
 from pathlib import Path
 
 
-def curve(run: Path, start: Path | None = None) -> list[dict]:
+def _run_rows(run: Path) -> list[dict]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
     # a resumed run evaluates again the steps after its checkpoint: the later record counts
-    rows = list({r["step"]: r for r in rows if "by_category" in r}.values())
+    return list({r["step"]: r for r in rows if "by_category" in r}.values())
+
+
+def curve(run: Path | list[Path], start: Path | None = None) -> list[dict]:
+    runs = [run] if isinstance(run, Path) else list(run)
+    rows = _run_rows(runs[0])
+    for later in runs[1:]:  # each continues the last: count its tokens and steps on from there
+        base = rows[-1] if rows else {"step": 0, "tokens_seen": 0}
+        rows += [{**r, "step": f"{later.name}:{r['step']}",
+                  "tokens_seen": r["tokens_seen"] + base["tokens_seen"]}
+                 for r in _run_rows(later)]
     if start is not None:
         rows.insert(0, json.loads(start.read_text()))
     if not rows:
-        raise SystemExit(f"{run}/metrics.jsonl has no per-category evaluation (train with "
+        raise SystemExit(f"{runs[0]}/metrics.jsonl has no per-category evaluation (train with "
                          "--heldout pointing at a realistic_data directory)")
     return rows
 
@@ -65,7 +77,7 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path)
+    ap.add_argument("run", type=Path, nargs="+", help="a run, or runs each started from the last")
     ap.add_argument("--start", type=Path, default=None,
                     help="a JSON record of the starting weights (step 0)")
     ap.add_argument("--png", type=Path, default=None)

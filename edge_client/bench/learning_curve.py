@@ -58,7 +58,7 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     x = [r["tokens_seen"] / 1e6 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     for cat in rows[0]["by_category"]:
         y = [r["by_category"][cat] for r in rows]
         ax.plot(x, y, marker="o", lw=3 if cat == "all" else 1, alpha=1 if cat == "all" else 0.6,
@@ -68,7 +68,7 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
     ax.set_xlabel("target tokens seen in training (millions)")
     ax.set_ylabel("greedy alpha, realistic set (PyTorch, teacher-forced)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # off the lines
     ax.grid(alpha=0.3)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

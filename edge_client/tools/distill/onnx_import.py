@@ -301,27 +301,19 @@ def read_weights(onnx_path: Path, arch: ArchConfig, vocab: int) -> tuple[dict, d
                 key = (f"model.layers.{m[1]}.{m[2]}.weight" if m[1] is not None
                        else "model.norm.weight")
                 found[key] = Weight(vec[0].astype(np.float32), None, "fp32")
-    if shared and head is not None:
-        head_t = head.value.T
-        if head_t.shape != (vocab, arch.hidden):
-            raise ValueError(f"shared LM head {head.value.shape}, expected ({arch.hidden}, "
-                             f"{vocab})")
-        weights = {k: w.value for k, w in found.items()}
-        weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = head_t
-        sources = {k: w.source for k, w in found.items()}
-        sources["model.embed_tokens.weight"] = "shared with lm_head " + head.source
-        sources["lm_head.weight"] = "tied to model.embed_tokens.weight"
-        return weights, sources
-    if emb is None:
-        raise ValueError(f"{onnx_path}: no /model/embed_tokens/ Gather")
-    if emb.value.shape != (vocab, arch.hidden):
-        raise ValueError(f"embedding {emb.value.shape}, config says ({vocab}, {arch.hidden})")
+    if head is not None and head.value.shape != (arch.hidden, vocab):
+        raise ValueError(f"LM head {head.value.shape}, expected ({arch.hidden}, {vocab})")
     sources = {k: w.source for k, w in found.items()}
-    if head is None:
+    if shared and head is not None:
+        tied, sources["model.embed_tokens.weight"] = head.value.T, "shared with lm_head " + \
+            head.source
+    elif emb is None:
+        raise ValueError(f"{onnx_path}: no /model/embed_tokens/ Gather")
+    elif emb.value.shape != (vocab, arch.hidden):
+        raise ValueError(f"embedding {emb.value.shape}, config says ({vocab}, {arch.hidden})")
+    elif head is None:
         tied, sources["model.embed_tokens.weight"] = emb.value, emb.source
     else:
-        if head.value.shape != (arch.hidden, vocab):
-            raise ValueError(f"LM head {head.value.shape}, expected ({arch.hidden}, {vocab})")
         head_t = Weight(head.value.T, None if head.step is None else
                         np.broadcast_to(head.step, head.value.shape).T, "lm_head " + head.source)
         tied, sources["model.embed_tokens.weight"] = combine_tied(

@@ -165,8 +165,12 @@ def test_an_archive_carries_the_corpus_to_a_fresh_machine(target, tmp_path):
             assert np.array_equal(x.topk_ids[:, 0], y.topk_ids[:, 0])
             np.testing.assert_allclose(x.topk_logp.astype(np.float32),
                                        y.topk_logp.astype(np.float32), atol=2e-2)
-    # the second machine packed what it wrote: the archive now holds the whole corpus
+    # the second machine packed what it wrote: the archive now holds the whole corpus, and
+    # its manifest entry as generated (not which machine restored what)
     assert len(list(archive.rglob("shard-*.npz"))) == len(a)
+    archived = json.loads((archive / "chunk-0000" / "chunk.json").read_text())["entry"]
+    assert "restored" not in archived and archived["done"]
+    assert archived["tokens"] == entry["tokens"]
     third = tmp_path / "third"
     again = Corpus(_cfg(target, third, 40, archive=archive)).run()
     assert again["finished"] and again["this_run_tokens"] == 0

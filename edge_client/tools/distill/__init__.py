@@ -22,6 +22,8 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
 - ``evaluate`` (``eval``): held-out acceptance of a checkpoint or of an ONNX draft directory.
 - ``onnx_import`` (``import-onnx``): a shipped ONNX draft directory (int8 or fp32) back into a
   finished run directory, for ``train --init-from`` when the checkpoint is gone.
+- ``expand``: a deeper draft from a finished run, new layers inserted with their output
+  projections at zero (the same logits), for ``train --init-from``.
 - ``head_model``, ``head_train`` (``train-head``), ``head_eval``, ``head_export``
   (``export-head``): a one-layer draft head conditioned on the target's final hidden state,
   run on the edge by ``edge_client.feature_draft`` (``docs/feature-draft.md``).

@@ -4,7 +4,8 @@ Subcommands (each one checkpoints; kill it at any moment and rerun the same comm
 ``gen-prompts`` (module ``magpie``), ``corpus`` (``corpus``: prompts and data at scale, in
 bounded chunks), ``gen-data`` (module ``data``), ``train`` (``train``), ``export``
 (``export``), ``eval`` (``evaluate``), ``import-onnx`` (``onnx_import``: a shipped ONNX draft
-back into a run dir for ``train --init-from``), and for the draft head conditioned on the
+back into a run dir for ``train --init-from``), ``expand`` (``expand``: a deeper draft from a
+run, same logits), and for the draft head conditioned on the
 target's hidden state ``train-head`` (``head_train``), ``export-head`` (``head_export``),
 ``prompt-features`` (``head_context``) and ``layer-features`` (``head_layers``); the package
 docstring says what each does. A stage's module is imported when its subcommand
@@ -131,6 +132,14 @@ def parse_args(argv: Sequence[str] | None):
     i.add_argument("--check-tokens", type=int, default=64,
                    help="random ids to compare torch and ONNX logits on (0: skip)")
     i.add_argument("--threads", type=int, default=0)
+
+    x = sub.add_parser("expand", help="a deeper draft from a finished run: new layers whose "
+                                      "output projections start at zero (the same logits), "
+                                      "for train --init-from")
+    x.add_argument("--from", dest="source", type=Path, required=True, help="a finished run dir")
+    x.add_argument("--out", type=Path, required=True, help="the run dir to write")
+    x.add_argument("--insert-after", type=int, nargs="+", required=True, metavar="LAYER",
+                   help="a new layer after each of these source layers (0-based)")
 
     _add_head_parsers(sub)
     v = sub.add_parser("eval", help="held-out acceptance of a run or an ONNX draft dir")
@@ -333,6 +342,10 @@ def _run(args) -> int:
             torch.set_num_threads(args.threads)
         res = import_onnx(args.draft, args.out, args.target, args.check_tokens)
         print(json.dumps(jsonable({k: v for k, v in res.items() if k != "sources"}), indent=2))
+    elif args.cmd == "expand":
+        from edge_client.tools.distill.expand import expand_run
+
+        print(json.dumps(expand_run(args.source, args.out, args.insert_after), indent=2))
     elif args.cmd in ("train-head", "export-head", "prompt-features", "layer-features"):
         _run_head(args)
     elif args.cmd == "eval":

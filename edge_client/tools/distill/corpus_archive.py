@@ -89,8 +89,11 @@ def pack(out: Path, archive: Path, manifest: dict) -> int:
             if not target.exists():
                 _atomic(target, lambda p, s=shard: _write_ids(s, p))
                 packed += 1
-        if meta.get("entry") != entry:  # after every shard: rewrite only what changed
-            write_json(meta_path, {"entry": entry, "prompts_sha256": meta["prompts_sha256"]})
+        # "restored" says what this machine re-labelled; the archive keeps the entry as
+        # generated, so a restoring machine's counts land in it but its history does not.
+        kept = {k: v for k, v in entry.items() if k != "restored"}
+        if meta.get("entry") != kept:  # after every shard: rewrite only what changed
+            write_json(meta_path, {"entry": kept, "prompts_sha256": meta["prompts_sha256"]})
     return packed
 
 

@@ -188,3 +188,40 @@ def test_an_archive_refuses_other_settings_and_a_changed_prompt_file(target, tmp
     gz.write_bytes(gzip.compress(gzip.decompress(gz.read_bytes()) + b"{}\n"))
     with pytest.raises(ValueError, match="does not match its digest"):
         Corpus(_cfg(target, tmp_path / "c", 10, archive=archive)).run()
+
+
+def test_a_vllm_run_restores_through_its_writer_and_names_its_labels(target, tmp_path,
+                                                                     monkeypatch):
+    """With --engine vllm the restore labels through the run's vLLM writer (one call per
+    shard) and the manifest says so; a stand-in writer labels with the built-in target here,
+    so the shards must come back as the builtin restore writes them."""
+    from edge_client.tools.distill.corpus_archive import _Labeller
+
+    archive = tmp_path / "archive"
+    Corpus(_cfg(target, tmp_path / "first", 20, archive=archive)).run()
+    calls, dtypes = [], []
+
+    class Writer:
+        def label(self, rows, top_k):
+            calls.append((len(rows), top_k))
+            return _Labeller(target, top_k, 8)(rows)
+
+    def writer(self, dtype):
+        dtypes.append(dtype)
+        return Writer()
+
+    monkeypatch.setattr(corpus.Corpus, "_writer", writer)
+    out = tmp_path / "second"
+    summary = Corpus(replace(_cfg(target, out, 20, archive=archive), engine="vllm",
+                             dtype="float32")).run()
+    shards = sorted(archive.rglob("shard-*.npz"))
+    assert summary["finished"] and summary["restored"]["shards"] == len(shards) > 0
+    assert [k for _, k in calls] == [4] * len(shards) and set(dtypes) == {"float32"}
+    entries = json.loads((out / "corpus.json").read_text())["chunks"].values()
+    assert {e["restored"]["labels"] for e in entries if "restored" in e} == {"vllm-float32"}
+    a, b = _shards(tmp_path / "first"), _shards(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        for x, y in zip(a[name], b[name], strict=True):
+            assert np.array_equal(x.gen_ids, y.gen_ids)
+            assert np.array_equal(x.topk_ids[:, 0], y.topk_ids[:, 0])

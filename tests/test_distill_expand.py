@@ -74,3 +74,17 @@ def test_training_the_expanded_run_moves_the_new_layers(data, runs):  # noqa: F8
     for new in (1, 3):
         for name in ZEROED:
             assert state[f"model.layers.{new}.{name}"].abs().max() > 0, (new, name)
+
+
+def test_the_card_names_the_expansion_in_the_lineage(data, runs, tmp_path):  # noqa: F811
+    from edge_client.tools.distill.export import ExportConfig, export
+
+    if not (runs / "x4-trained" / "ckpt.pt").exists():
+        train(_train_cfg(data, runs / "x4-trained", steps=3, init_from=runs / "x4"))
+    export(ExportConfig(runs / "x4-trained", tmp_path / "draft", None, data["target"],
+                        fp32_out=tmp_path / "fp32", twin_out=tmp_path / "twin",
+                        measure_target=False))
+    card = (tmp_path / "draft" / "MODEL_CARD.md").read_text()
+    rows = [ln for ln in card.splitlines() if ln.startswith(("| train ", "| expand "))]
+    assert [r.split("`")[1] for r in rows] == ["src", "x4", "x4-trained"]
+    assert rows[1].startswith("| expand `x4` |") and rows[0].startswith("| train `src` |")

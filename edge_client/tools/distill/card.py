@@ -92,8 +92,8 @@ def model_card(arch: ArchConfig, model, vmap: VocabMap, ck: dict, saved: dict, r
     for name, m in stages["data"].items():
         lines.append(f"| gen-data `{Path(name).name}` | {m['seconds'] / 60:.1f} |")
         total += m["seconds"]
-    for name, seconds in stages["train"]:
-        lines.append(f"| train `{Path(name).name}` | {seconds / 60:.1f} |")
+    for name, seconds, stage in stages["train"]:
+        lines.append(f"| {stage} `{Path(name).name}` | {seconds / 60:.1f} |")
         total += seconds
     lines += [f"| export (ONNX, int8, evaluation) | {export_s / 60:.1f} |",
               f"| total | {total / 60:.1f} |", ""]
@@ -127,14 +127,19 @@ def _training(tc: dict, st: dict, saved: dict) -> list[str]:
 def _pipeline_stages(run: Path, ck: dict) -> dict:
     """The gen-data directories and training runs behind a run's weights, following
     ``init_from`` back: {"data": {dir: manifest + seconds + draft_run}, "train": [(run,
-    seconds)], oldest run first}."""
+    seconds, stage)], oldest run first}; stage is "train", or "import-onnx" / "expand" for a
+    run whose weights were made by those commands rather than trained (0 s here; an imported
+    draft's own history is in its source card)."""
     import torch
 
     data: dict[str, dict] = {}
-    train_runs: list[tuple[str, float]] = []
+    train_runs: list[tuple[str, float, str]] = []
     while True:
-        train_runs.insert(0, (str(run), ck["state"]["wall_s"]))
-        for d in as_dirs(ck.get("train_config", {}).get("data")):
+        tc = ck.get("train_config", {})
+        stage = ("import-onnx" if "imported_from" in tc else
+                 "expand" if "expanded_from" in tc else "train")
+        train_runs.insert(0, (str(run), ck["state"]["wall_s"], stage))
+        for d in as_dirs(tc.get("data")):
             manifest, config = d / "manifest.json", d / "config.json"
             if str(d) in data or not manifest.is_file():
                 continue

@@ -20,6 +20,7 @@ from edge_client.tools.distill.shards import list_shards, read_shard
 # The tiny target never ends a turn, so its turns are kept unfinished and kept short.
 PROMPTS = {"max_user_tokens": 8, "max_answer_tokens": 4, "ime_max_tokens": 8,
            "keep_unfinished": True, "ime_openers": ("t5 t6", "t7"), "chunk_size": 2,
+           "request_openers": ("t8", "t9 t10"),
            "batch_size": 4}
 
 
@@ -32,7 +33,7 @@ def target(tmp_path_factory) -> Path:
 
 def _cfg(target: Path, out: Path, tokens: int, **kw) -> CorpusConfig:
     return CorpusConfig(out=out, target=target, target_tokens=tokens, magpie=3, multiturn=1,
-                        ime=2, max_new_tokens=6, top_k=4, shard_size=2, engine="builtin",
+                        ime=2, request=0, max_new_tokens=6, top_k=4, shard_size=2, engine="builtin",
                         progress=False, prompt_settings=PROMPTS, **kw)
 
 
@@ -56,7 +57,7 @@ def test_chunks_until_the_tokens_are_there_and_the_manifest_counts_the_shards(ta
     assert len(man["chunks"]) >= 2  # 6 prompts x 6 tokens a chunk cannot make 50
     for name, entry in man["chunks"].items():
         assert entry["done"] and entry["engine"] == "builtin" and entry["host"]["model"]
-        assert entry["prompts"] == {"magpie": 3, "multiturn": 1, "ime": 2}
+        assert entry["prompts"] == {"magpie": 3, "multiturn": 1, "ime": 2, "request": 0}
         assert entry["prompt_stage_tokens"] > 0
         rows = load_prompts_file(out / name / "data-prompts.jsonl")
         assert entry["data_prompts"] == len(rows) == entry["data_prompts_done"]
@@ -105,6 +106,40 @@ def test_prompts_of_an_earlier_chunk_are_not_continued_again(target, tmp_path, m
     assert man["chunks"]["chunk-0002"]["data_prompts"] > 0
 
 
+def test_the_prompt_mix_is_a_chunks_own_and_may_change_between_runs(target, tmp_path):
+    out, archive = tmp_path / "c", tmp_path / "archive"
+    first = Corpus(_cfg(target, out, 1, archive=archive)).run()  # chunk 0 alone is enough
+    assert first["finished"]
+    Corpus(replace(_cfg(target, out, 40, archive=archive), request=2, magpie=1)).run()
+    man = json.loads((out / "corpus.json").read_text())["chunks"]
+    assert man["chunk-0000"]["mix"] == {"magpie": 3, "multiturn": 1, "ime": 2, "request": 0}
+    assert man["chunk-0001"]["mix"] == {"magpie": 1, "multiturn": 1, "ime": 2, "request": 2}
+    kinds = [p.kind for p in load_prompts_file(out / "chunk-0001" / "data-prompts.jsonl")]
+    assert kinds.count("request") == 2 and kinds.count("magpie") == 1
+    assert "request" not in {p.kind for p in load_prompts_file(
+        out / "chunk-0000" / "data-prompts.jsonl")}
+    # the archive keeps each chunk's mix in its entry, not as a corpus-wide setting
+    assert "magpie" not in json.loads((archive / "settings.json").read_text())
+    entry = json.loads((archive / "chunk-0001" / "chunk.json").read_text())["entry"]
+    assert entry["mix"]["request"] == 2
+
+
+def test_a_chunk_from_before_the_mix_resumes_with_the_legacy_mix(target, tmp_path, monkeypatch):
+    out = tmp_path / "c"
+    cut = Corpus(_cfg(target, out, 40))
+    cut.time_left = lambda seconds: False  # start chunk 0's entry, then stop
+    monkeypatch.setattr(corpus, "LEGACY_MIX", {"magpie": 2, "multiturn": 0, "ime": 1,
+                                               "request": 0})
+    man_path = out / "corpus.json"
+    man = json.loads(man_path.read_text())
+    man["chunks"]["chunk-0000"] = {"engine": "builtin", "dtype": "float32", "seed": 0,
+                                   "host": {}, "started": "then"}  # no "mix": written before it
+    man_path.write_text(json.dumps(man))
+    Corpus(replace(_cfg(target, out, 1), request=2)).run()
+    kinds = [p.kind for p in load_prompts_file(out / "chunk-0000" / "data-prompts.jsonl")]
+    assert sorted(set(kinds)) == ["ime", "magpie"] and kinds.count("magpie") <= 2
+
+
 def test_other_data_settings_into_the_same_out_are_refused(target, tmp_path):
     out = tmp_path / "c"
     Corpus(_cfg(target, out, 10))
@@ -126,7 +161,7 @@ def test_auto_dtype_follows_the_host(flags, dtype):
 
 def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="at least one prompt"):
-        Corpus(CorpusConfig(tmp_path, magpie=0, multiturn=0, ime=0))
+        Corpus(CorpusConfig(tmp_path, magpie=0, multiturn=0, ime=0, request=0))
     with pytest.raises(ValueError, match="--dtype"):
         Corpus(CorpusConfig(tmp_path, dtype="float16"))
 

@@ -40,8 +40,8 @@ def _cfg(target: Path, out: Path, n: int, **kw) -> MagpieConfig:
     counts = kw.pop("counts", dict.fromkeys(magpie.KINDS, n))
     return MagpieConfig(out=out, target=target, counts=counts, batch_size=4,
                         max_user_tokens=10, max_answer_tokens=6, ime_max_tokens=12,
-                        keep_unfinished=True, ime_openers=OPENERS, chunk_size=3,
-                        progress=False, **kw)
+                        keep_unfinished=True, ime_openers=OPENERS, request_openers=OPENERS,
+                        chunk_size=3, progress=False, **kw)
 
 
 def _records(out: Path, kind: str) -> list[dict]:
@@ -80,7 +80,7 @@ def test_text_filter_reasons():
     assert why("data science consulting, " * 6) == "repetitive"
 
 
-def test_writes_the_three_kinds(target, tmp_path):
+def test_writes_the_four_kinds(target, tmp_path):
     out = tmp_path / "p"
     stats = gen_prompts(_cfg(target, out, 5), eval_prompts=[])
     for kind in magpie.KINDS:
@@ -95,10 +95,15 @@ def test_writes_the_three_kinds(target, tmp_path):
     for r in _records(out, "ime"):
         assert 3 <= len(r["text"].split()) <= 15 and r["text"] == r["text"].strip()
     assert {r["from"] for r in _records(out, "ime")} == {"user", "opener"}
+    for r in _records(out, "request"):  # a user turn that starts with its opener
+        assert r["opener"] in OPENERS and r["prompt"].startswith(r["opener"])
+        assert len(r["prompt"].split()) > len(r["opener"].split())  # the target went on
     merged = load_prompts_file(out / "prompts.jsonl")
-    assert [p.kind for p in merged] == ["magpie"] * 5 + ["multiturn"] * 5 + ["ime"] * 5
+    assert [p.kind for p in merged] == (["magpie"] * 5 + ["multiturn"] * 5 + ["ime"] * 5
+                                        + ["request"] * 5)
+    assert all(p.chat for p in merged if p.kind == "request")
     saved = json.loads((out / "stats.json").read_text())
-    assert saved["stages"]["ime"]["seconds"] > 0 and saved["records"] == 15
+    assert saved["stages"]["ime"]["seconds"] > 0 and saved["records"] == 20
     assert saved["engine"] == "builtin"
     # Every sampled token counts, a multiturn round's answers included: at least the kept
     # records' own tokens (10 a user turn at most, here never finished).
@@ -212,8 +217,10 @@ def test_eval_set_overlaps_are_dropped(target, tmp_path):
     plain = tmp_path / "plain"
     gen_prompts(_cfg(target, plain, 4), eval_prompts=[])
     leaked = [_records(plain, "magpie")[0]["prompt"], _records(plain, "ime")[1]["text"],
-              _records(plain, "multiturn")[2]["messages"][2]["content"]]
+              _records(plain, "multiturn")[2]["messages"][2]["content"],
+              _records(plain, "request")[3]["prompt"]]
     fake = [EvalPrompt("advice-x", "advice", (("user", leaked[0]),)),
+            EvalPrompt("email-x", "email", (("user", leaked[3]),)),
             EvalPrompt("ime-x", "ime", (), leaked[1]),
             EvalPrompt("multiturn-x", "multiturn",
                        (("user", "t3 t4 t5"), ("assistant", "t6"), ("user", leaked[2])))]
@@ -232,7 +239,8 @@ def test_gen_data_continues_a_prompts_file(target, tmp_path):
                          "--max-user-tokens", "8", "--max-answer-tokens", "5",
                          "--keep-unfinished", "--no-progress", "--threads", "1"]) == 0
     prompts = load_prompts_file(out / "prompts.jsonl")
-    assert [p.kind for p in prompts] == ["magpie"] * 2 + ["multiturn"] * 2 + ["ime"] * 3
+    assert [p.kind for p in prompts] == (["magpie"] * 2 + ["multiturn"] * 2 + ["ime"] * 3
+                                         + ["request"] * 2)
     data = tmp_path / "data"
     args = ["gen-data", "--out", str(data), "--target", str(target), "--prompts-file",
             str(out / "prompts.jsonl"), "--shard-size", "4", "--batch-size", "3",

@@ -2,7 +2,8 @@
 resumable chunks by one command that a later session reruns unchanged.
 
 A chunk is ``gen-prompts`` then ``gen-data`` in ``<out>/chunk-NNNN/``: use-like prompts
-(Magpie user turns, multi-turn follow-ups, IME fragments; the realistic evaluation set's
+(Magpie user turns, multi-turn follow-ups, IME fragments, requests started by an opener; the
+chunk's own "mix" of them is in its manifest entry; the realistic evaluation set's
 overlap check is ``gen-prompts``' own) sampled with the chunk's seed, then continued by the
 target (greedy and sampled mixed), its top-k recorded at every token. Prompts already in an
 earlier chunk are dropped before ``gen-data`` sees them (``data-prompts.jsonl``, written once).
@@ -31,10 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.tools.distill.common import ENGINES, engine_label, jsonable, write_json
+from edge_client.tools.distill.magpie import KINDS
 
 log = logging.getLogger("edgespec.distill")
 
 _CHUNK = "chunk-{:04d}"
+MIX = KINDS  # the prompt kinds' counts: per chunk, not corpus-wide settings
+LEGACY_MIX = {"magpie": 384, "multiturn": 64, "ime": 128, "request": 0}
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,13 @@ class CorpusConfig:
     out: Path
     target: Path | None = None
     target_tokens: int = 10_000_000  # data tokens (the target's continuations) in all
-    magpie: int = 384  # prompts of each kind per chunk (before the cross-chunk dedup)
+    # Prompts of each kind per chunk, before the cross-chunk dedup. The mix is a chunk's own
+    # setting (its manifest entry's "mix"), so it may change between runs: chunks 0-17 were
+    # 384 / 64 / 128 / 0 (LEGACY_MIX); request prompts came after (magpie's docstring says why).
+    magpie: int = 128
     multiturn: int = 64
     ime: int = 128
+    request: int = 256
     max_new_tokens: int = 256
     top_k: int = 64
     sample_fraction: float = 0.5  # the rest greedy
@@ -120,7 +128,8 @@ class Corpus:
             raise ValueError(f"--engine must be builtin or vllm, not {cfg.engine!r}")
         if cfg.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--dtype must be auto, float32 or bfloat16, not {cfg.dtype!r}")
-        if min(cfg.magpie, cfg.multiturn, cfg.ime) < 0 or cfg.magpie + cfg.multiturn + cfg.ime < 1:
+        counts = [getattr(cfg, k) for k in MIX]
+        if min(counts) < 0 or sum(counts) < 1:
             raise ValueError("a chunk needs at least one prompt")
         self.cfg = cfg
         self.out = Path(cfg.out)
@@ -142,8 +151,8 @@ class Corpus:
 
     def _check_settings(self) -> None:
         """Chunks made with other data settings would not be one corpus: refuse, say which."""
-        keep = ("magpie", "multiturn", "ime", "max_new_tokens", "top_k", "sample_fraction",
-                "temperature", "shard_size", "batch_size", "seed")
+        keep = ("max_new_tokens", "top_k", "sample_fraction", "temperature", "shard_size",
+                "batch_size", "seed")
         stored = self.manifest.get("settings")
         if stored:
             diff = [f"--{k.replace('_', '-')} {stored[k]} (not {getattr(self.cfg, k)})"
@@ -245,7 +254,7 @@ class Corpus:
     def run_chunk(self, chunk: int, bar) -> bool:
         """Finishes chunk ``chunk`` (or skips it when done). False when time ran out."""
         from edge_client.tools.distill.data import GenConfig, gen_data
-        from edge_client.tools.distill.magpie import KINDS, MagpieConfig, gen_prompts
+        from edge_client.tools.distill.magpie import MagpieConfig, gen_prompts
         from edge_client.tools.distill.prompt_file import write_jsonl
 
         cfg, name = self.cfg, _CHUNK.format(chunk)
@@ -262,6 +271,7 @@ class Corpus:
                 dtype = self.writer_dtype  # one vLLM per run; the next run re-decides
             entry = {"engine": engine_label(cfg.engine, dtype), "dtype": dtype,
                      "seed": chunk_seed(cfg.seed, chunk), "host": self.host,
+                     "mix": {k: getattr(cfg, k) for k in MIX},
                      "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
             self.manifest["chunks"][name] = entry
             self._save()
@@ -273,7 +283,8 @@ class Corpus:
             if not self.time_left(self.last_prompts_s):
                 return False
             t = time.perf_counter()
-            counts = {k: getattr(cfg, k) for k in KINDS}
+            # a chunk keeps the mix it started with (one from before "mix" existed: the legacy)
+            counts = {k: entry.get("mix", LEGACY_MIX).get(k, 0) for k in KINDS}
             mcfg = MagpieConfig(cdir / "prompts", cfg.target, counts, seed=seed,
                                 batch_size=cfg.batch_size, threads=cfg.threads,
                                 progress=cfg.progress, engine=cfg.engine, dtype=dtype)
@@ -341,7 +352,7 @@ def add_parser(sub) -> None:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--target", type=Path, default=None)
     d = CorpusConfig(Path())
-    for name in ("target_tokens", "magpie", "multiturn", "ime", "max_new_tokens", "top_k",
+    for name in ("target_tokens", *MIX, "max_new_tokens", "top_k",
                  "sample_fraction", "temperature", "shard_size", "batch_size", "seed",
                  "max_minutes", "threads"):
         value = getattr(d, name)

@@ -54,14 +54,18 @@ def _atomic(path: Path, write) -> None:
 
 def check_settings(archive: Path, settings: dict) -> None:
     """An archive holds one corpus: refuses other settings, and records them when new."""
+    from edge_client.tools.distill.magpie import KINDS as MIX  # per chunk: in each entry
+
     path = archive / "settings.json"
     if path.exists():
         stored = json.loads(path.read_text())
         diff = [f"--{k.replace('_', '-')} {stored[k]} (not {settings.get(k)})"
-                for k in stored if stored[k] != settings.get(k)]
+                for k in stored if k not in MIX and stored[k] != settings.get(k)]
         if diff:
             raise ValueError(f"the archive {archive} holds a corpus with other settings: "
                              f"{', '.join(diff)}")
+        if set(stored) & set(MIX):  # written when the prompt mix was corpus-wide
+            write_json(path, {k: v for k, v in stored.items() if k not in MIX})
     else:
         archive.mkdir(parents=True, exist_ok=True)
         write_json(path, settings)

@@ -14,6 +14,12 @@ three sources:
 - ``ime``: raw text with no chat template, what a user is typing: the target continues a
   neutral sentence opener (``OPENERS``), or writes a user turn, and the text is cut at a random
   word boundary into a 3-15 word prefix.
+- ``request``: a Magpie user turn whose first words are a request opener
+  (``REQUEST_OPENERS``: asking for advice, steps, an email, a list, code, a poem...), which the
+  target finishes at ``--request-temperature``. Unsteered Magpie turns from this small target
+  are often nonsense, and the draft's acceptance on them (0.554 on unseen corpus rows, first
+  32 tokens) says little about what people type (0.454 on the realistic set): the openers steer
+  the turns toward the kinds of request people make, still in the target's own words.
 
 Records: ``{"id", "source", "prompt" | "messages" | "text", "seed"}`` (``seed``: the round's;
 IME records also say ``from``: "opener" or "user"). Every candidate is filtered (unfinished,
@@ -63,19 +69,35 @@ from edge_client.tools.distill.turn_sampling import TurnSampler
 
 log = logging.getLogger("edgespec.distill")
 
-KINDS = ("magpie", "multiturn", "ime")
+KINDS = ("magpie", "multiturn", "ime", "request")
 # Neutral starts for raw IME text: sentence openers common in messages and notes.
 OPENERS = ("I", "I think", "I was", "I just", "I need to", "We", "We should", "My", "The",
            "This", "It", "There is", "Can you", "Could you", "Do you", "Did you", "Hi", "Hey",
            "Thanks for", "Just", "Please", "So", "If", "When", "After", "Before", "Let me",
            "Don't forget", "Our", "What", "How", "Why", "Is it", "Good morning", "Sorry",
            "Remember", "Quick question", "Not sure", "Today", "Tomorrow")
+# First words of a user's request, across the kinds people ask an assistant for.
+REQUEST_OPENERS = (
+    "I need advice on", "What should I do if", "Any tips for", "How can I stop", "Should I",
+    "What's the best way to", "I'm struggling with", "How do I deal with", "How do I",
+    "How can I", "What are the steps to", "Explain how to", "Can you walk me through",
+    "Write an email to", "Draft a short email", "Write a polite message to", "Help me reply to",
+    "Write a thank-you note to", "Write a text message to", "Write a cover letter for",
+    "List five", "Give me three tips for", "Give me a list of", "What are some", "Name ten",
+    "Suggest a few", "Make a checklist for", "Write a Python function that",
+    "How do I fix this error:", "Write a SQL query that", "Explain what this code does:",
+    "Write a JavaScript function to", "What is the difference between", "Write a short poem about",
+    "Write a short story about", "Write a haiku about", "Come up with a name for", "Write a funny",
+    "Describe", "Write a limerick about", "Write a toast for", "Can you explain", "Why do",
+    "What is", "Summarize", "Rewrite this sentence:", "Help me write", "Compare", "Plan a",
+    "Recommend", "Is it true that", "What happens if", "Give me an example of",
+    "Write a recipe for")
 # Settings a stream depends on; a rerun into the same --out must keep them.
 _STREAM_FIELDS = ("target", "seed", "batch_size", "temperature", "top_p", "max_user_tokens",
                   "answer_temperature", "max_answer_tokens", "min_words", "max_words",
                   "min_printable", "keep_unfinished", "ime_max_tokens", "ime_min_words",
                   "ime_max_words", "ime_user_share", "ime_openers", "user_prefix", "engine",
-                  "dtype")
+                  "dtype", "request_openers", "request_temperature")
 
 
 @dataclass(frozen=True)
@@ -99,6 +121,8 @@ class MagpieConfig:
     ime_max_words: int = 15
     ime_user_share: float = 0.5  # IME rows cut from a sampled user turn (the rest: an opener)
     ime_openers: tuple[str, ...] = OPENERS
+    request_openers: tuple[str, ...] = REQUEST_OPENERS
+    request_temperature: float = 0.8  # lower than magpie's 1.0: the opener already varies them
     user_prefix: str | None = None  # override the first user turn's prefix (rendered text)
     chunk_size: int = 64
     max_tries: int = 20  # a stage gives up after max_tries * count candidates
@@ -163,7 +187,7 @@ def record_key(kind: str, record: dict) -> str:
 
     if kind == "multiturn":
         return "\n".join(normalize(m["content"]) for m in record["messages"][::2])
-    return normalize(record["prompt"] if kind == "magpie" else record["text"])
+    return normalize(record["text"] if kind == "ime" else record["prompt"])
 
 
 def round_seed(seed: int, kind: str, rnd: int) -> int:
@@ -328,7 +352,26 @@ def _ime_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
     return out, reasons
 
 
-_ROUNDS = {"magpie": _magpie_round, "multiturn": _multiturn_round, "ime": _ime_round}
+def _request_round(s: TurnSampler, seed: int) -> tuple[list[Candidate], Counter]:
+    import numpy as np
+
+    cfg, reasons, out = s.cfg, Counter(), []
+    pick = np.random.default_rng(seed).integers(len(cfg.request_openers), size=cfg.batch_size)
+    openers = [cfg.request_openers[i] for i in pick]
+    starts = [[*s.user_ids, *s.tok.encode(o)] for o in openers]
+    outs = s.sample(starts, cfg.max_user_tokens, cfg.request_temperature, s.draws(seed))
+    for opener, (ids, done) in zip(openers, outs, strict=True):
+        text = (opener + s.tok.decode(ids)).strip()
+        why = text_reason(text, ids, done, s.special, cfg, cfg.min_words, cfg.max_words)
+        if why:
+            reasons[why] += 1
+        else:
+            out.append(({"prompt": text, "opener": opener}, [text]))
+    return out, reasons
+
+
+_ROUNDS = {"magpie": _magpie_round, "multiturn": _multiturn_round, "ime": _ime_round,
+           "request": _request_round}
 
 
 def progress_bar(total: int, initial: int, desc: str, enabled: bool, unit: str = "prompt"):
@@ -488,7 +531,8 @@ def add_parser(sub) -> None:
     for name in ("seed", "batch_size", "temperature", "top_p", "max_user_tokens",
                  "answer_temperature", "max_answer_tokens", "min_words", "max_words",
                  "min_printable", "ime_max_tokens", "ime_min_words", "ime_max_words",
-                 "ime_user_share", "chunk_size", "max_tries", "threads"):
+                 "ime_user_share", "request_temperature", "chunk_size", "max_tries",
+                 "threads"):
         value = getattr(d, name)
         g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     g.add_argument("--keep-unfinished", action="store_true",

@@ -14,7 +14,7 @@ TARGET_DIRNAME = "smollm2-135m-instruct"
 DRAFT_DIRNAME = "draft-standin-onnx"
 DRAFT_PT_DIRNAME = "draft-standin-pt"
 # The distilled draft committed under edge_client/drafts (edgespec-distill; see its card).
-SHIPPED_DRAFT = "smollm2-draft-v8"
+SHIPPED_DRAFT = "smollm2-draft-v9"
 
 
 def cache_dir() -> Path:

@@ -85,12 +85,14 @@ def run_case(verifier: Verifier, draft_dir: Path | None, case: Case, tokens: int
                     retry=retry) as client:
         reference, _ = generate(client, prompt, config)
         killed_at: list[float] = []
+        timers: list[threading.Timer] = []
 
         def maybe_kill(n: int) -> None:
             if n >= kill_after and not killed_at:
                 killed_at.append(time.perf_counter())
                 verifier.kill()
-                threading.Timer(case.down_s, verifier.restart).start()
+                timers.append(threading.Timer(case.down_s, verifier.restart))
+                timers[-1].start()
 
         t0 = time.perf_counter()
         try:
@@ -99,6 +101,11 @@ def run_case(verifier: Verifier, draft_dir: Path | None, case: Case, tokens: int
         except Exception as err:  # noqa: BLE001 - a failed run is a result of the drill
             disturbed, stats, error = [], {}, f"{type(err).__name__}: {err}"
         wall_s = time.perf_counter() - t0
+    # A run that ends before the pause is over (on a loaded machine the last tokens can come
+    # in one burst after the kill) must still see the restart happen here; otherwise the
+    # check below reads the killed process, and the late restart leaves an orphan verifier.
+    for timer in timers:
+        timer.join()
     verifier.ensure_serving()
     return {"case": case.name, "protocol": case.protocol, "temperature": case.temperature,
             "down_s": case.down_s, "killed": bool(killed_at), "identical": disturbed == reference,

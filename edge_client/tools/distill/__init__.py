@@ -4,9 +4,10 @@ One module per stage; each stage checkpoints, so it can be killed at any moment 
 
 - ``magpie`` (``gen-prompts``): prompts that look like use, not templates: user turns the
   target writes itself after the chat template's user-turn start (Magpie, arXiv 2406.08464),
-  multi-turn follow-ups, and raw-text IME fragments; deduplicated and kept apart from the
-  realistic evaluation set (``edge_client.bench.eval_set``); ``gen-data --prompts-file``
-  continues them. ``--engine vllm`` samples them on vLLM (``magpie_vllm``).
+  multi-turn follow-ups, raw-text IME fragments, and requests started by an opener;
+  deduplicated and kept apart from the realistic evaluation set
+  (``edge_client.bench.eval_set``); ``gen-data --prompts-file`` continues them.
+  ``--engine vllm`` samples them on vLLM (``magpie_vllm``).
 - ``data`` (``gen-data``): the target continues the distillation prompts and records, for
   every generated token, the top-k ids and log-probabilities of its distribution p at
   temperature 1, one ``shard-NNNNN.npz`` (``shards``) per ``--shard-size`` prompts; with

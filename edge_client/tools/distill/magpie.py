@@ -3,7 +3,7 @@
 A draft distilled only on templated prompts does well on its own held-out split and badly on
 natural prompts, because every prompt it saw came from the same few templates. This stage
 writes prompt files (module ``prompt_file``) that ``gen-data --prompts-file`` continues, from
-three sources:
+four sources:
 
 - ``magpie`` (Magpie, arXiv 2406.08464): the chat template is rendered up to where a user turn's
   text begins (module ``turn_sampling``) and the target samples the user's message itself, until
@@ -520,7 +520,7 @@ def print_stats(stats: dict) -> None:
 
 def add_parser(sub) -> None:
     g = sub.add_parser("gen-prompts", help="prompts that look like use: Magpie user turns, "
-                       "multi-turn conversations, IME fragments (resumable)")
+                       "multi-turn conversations, IME fragments, requests (resumable)")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--target", type=Path, default=None)
     g.add_argument("--count", type=int, default=0, help="prompts of each kind (default 0)")

@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from edge_client.tools.distill.common import write_json
-from edge_client.tools.distill.model import arch_from_json
+from edge_client.tools.distill.model import arch_from_json, finished_ckpt
 from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
 
 log = logging.getLogger("edgespec.distill")
@@ -86,11 +86,7 @@ def expand_run(source: Path, out: Path, insert_after: Sequence[int]) -> dict:
     report = {"source": str(source), "insert_after": list(insert_after),
               "plan": [("new" if s is None else s) for s in plan],
               "layers": len(plan), "created": time.strftime("%F %T")}
-    new_ck = {"model": state,
-              "state": {"step": 0, "epoch": 0, "batch_in_epoch": 0, "epoch_shards": [],
-                        "tokens_seen": 0, "wall_s": 0.0},
-              "arch": asdict(new_arch),
-              "train_config": {"data": [], "expanded_from": str(source)}}
+    new_ck = finished_ckpt(state, new_arch, "expanded_from", source)
     with staging_dir(out) as staged:
         torch.save(new_ck, staged / "ckpt.pt")
         VocabMap.load(source / VOCAB_MAP_FILE).save(staged / VOCAB_MAP_FILE)

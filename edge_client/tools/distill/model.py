@@ -132,6 +132,19 @@ def full_vocab_twin(model, vmap: VocabMap):
     return twin.eval()
 
 
+def finished_ckpt(state_dict: dict, arch: ArchConfig, origin_key: str, origin: Path) -> dict:
+    """A run checkpoint made without training (import-onnx, expand): weights and arch, no
+    optimizer state, so ``train --init-from`` starts it fresh; ``origin_key`` names how it was
+    made ("imported_from", "expanded_from"), which the card reads."""
+    from dataclasses import asdict
+
+    return {"model": state_dict,
+            "state": {"step": 0, "epoch": 0, "batch_in_epoch": 0, "epoch_shards": [],
+                      "tokens_seen": 0, "wall_s": 0.0},
+            "arch": asdict(arch),
+            "train_config": {"data": [], origin_key: str(origin)}}
+
+
 def load_run(run: Path, target: Path | None = None):
     """(draft in eval mode, its VocabMap) from a training run's directory and checkpoint."""
     import torch

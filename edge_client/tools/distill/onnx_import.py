@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_client.tools.distill.common import jsonable, target_vocab_size, write_json
-from edge_client.tools.distill.model import ArchConfig
+from edge_client.tools.distill.model import ArchConfig, finished_ckpt
 from edge_client.tools.distill.vocab import VOCAB_MAP_FILE, VocabMap
 
 log = logging.getLogger("edgespec.distill")
@@ -382,11 +382,7 @@ def import_onnx(draft: Path, out: Path, target: Path | None = None,
               "params": int(sum(p.numel() for p in model.parameters())),
               "fidelity": fidelity, "sources": sources,
               "seconds": round(time.perf_counter() - t0, 1)}
-    ck = {"model": model.state_dict(),
-          "state": {"step": 0, "epoch": 0, "batch_in_epoch": 0, "epoch_shards": [],
-                    "tokens_seen": 0, "wall_s": 0.0},
-          "arch": asdict(arch),
-          "train_config": {"data": [], "imported_from": str(draft)}}
+    ck = finished_ckpt(model.state_dict(), arch, "imported_from", draft)
     with staging_dir(out) as staged:
         torch.save(ck, staged / "ckpt.pt")
         vmap.save(staged / VOCAB_MAP_FILE)

@@ -91,7 +91,16 @@ REQUEST_OPENERS = (
     "Describe", "Write a limerick about", "Write a toast for", "Can you explain", "Why do",
     "What is", "Summarize", "Rewrite this sentence:", "Help me write", "Compare", "Plan a",
     "Recommend", "Is it true that", "What happens if", "Give me an example of",
-    "Write a recipe for")
+    "Write a recipe for",
+    # Added for chunk 23 on: more of the kinds the v9 draft accepted least on (advice 0.40,
+    # creative 0.38, code 0.45 greedy alpha); chunks keep the list they were made with.
+    "How should I handle", "What would you do if", "I can't decide whether to",
+    "Is it a good idea to", "How do I tell my", "How do I get better at", "My friend keeps",
+    "Write a bash script that", "Write a regular expression that", "Why does my Python code",
+    "How do I read a file in", "Write a function in", "Write unit tests for",
+    "Write a story where", "Write a song about", "Write a dialogue between",
+    "Write a bedtime story about", "Write a poem for", "Write the opening line of a novel about",
+    "Write a riddle about")
 # Settings a stream depends on; a rerun into the same --out must keep them.
 _STREAM_FIELDS = ("target", "seed", "batch_size", "temperature", "top_p", "max_user_tokens",
                   "answer_temperature", "max_answer_tokens", "min_words", "max_words",

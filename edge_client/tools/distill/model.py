@@ -4,7 +4,7 @@ embeddings, or copied target layers), a training run's weights, and its full-voc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -136,8 +136,6 @@ def finished_ckpt(state_dict: dict, arch: ArchConfig, origin_key: str, origin: P
     """A run checkpoint made without training (import-onnx, expand): weights and arch, no
     optimizer state, so ``train --init-from`` starts it fresh; ``origin_key`` names how it was
     made ("imported_from", "expanded_from"), which the card reads."""
-    from dataclasses import asdict
-
     return {"model": state_dict,
             "state": {"step": 0, "epoch": 0, "batch_in_epoch": 0, "epoch_shards": [],
                       "tokens_seen": 0, "wall_s": 0.0},

@@ -212,6 +212,59 @@ def test_an_archive_carries_the_corpus_to_a_fresh_machine(target, tmp_path):
     assert again["restored"]["shards"] == len(a)
 
 
+def test_a_run_that_only_grows_the_corpus_labels_no_finished_chunk(target, tmp_path):
+    """--restore-chunks none: a fresh machine takes the archive's prompts and counts (so the
+    dedup and the totals hold) and labels only the unfinished chunk it goes on with; the new
+    chunks equal a straight run's, and a later run labels just the chunks it is asked for."""
+    straight, archive = tmp_path / "straight", tmp_path / "archive"
+    Corpus(_cfg(target, straight, 80)).run()
+    first = Corpus(_cfg(target, tmp_path / "first", 80, archive=archive))
+    calls = []
+    first.time_left = lambda seconds: calls.append(seconds) or len(calls) <= 7
+    assert not first.run()["finished"]
+    entries = {c.name: json.loads((c / "chunk.json").read_text())["entry"]
+               for c in sorted(archive.glob("chunk-*"))}
+    finished = [n for n, e in entries.items() if e["done"]]
+    open_ = [n for n, e in entries.items() if not e["done"]]
+    assert finished and len(open_) == 1 and open_[0] > finished[-1]
+
+    second = tmp_path / "second"
+    summary = Corpus(_cfg(target, second, 80, archive=archive, restore_chunks="none")).run()
+    assert summary["finished"] and summary["restored"]["unlabelled_chunks"] == len(finished)
+    manifest = json.loads((second / "corpus.json").read_text())
+    for name in finished:
+        assert not (second / name / "data").exists()
+        assert (second / name / "data-prompts.jsonl").exists()
+        assert manifest["chunks"][name]["restored"]["labels"] is None
+    assert manifest["chunks"][open_[0]]["restored"]["labels"] == "builtin-float32"
+    a, b = _shards(straight), _shards(second)
+    assert set(b) == {k for k in a if k.split("/")[0] not in finished}
+    for name in b:
+        for x, y in zip(a[name], b[name], strict=True):
+            assert np.array_equal(x.prompt_ids, y.prompt_ids)
+            assert np.array_equal(x.gen_ids, y.gen_ids)
+    assert manifest["totals"]["tokens"] == json.loads(
+        (straight / "corpus.json").read_text())["totals"]["tokens"]
+
+    third = tmp_path / "third"
+    again = Corpus(_cfg(target, third, 80, archive=archive,
+                        restore_chunks=finished[0].split("-")[1])).run()
+    assert again["finished"] and again["this_run_tokens"] == 0
+    assert {k.split("/")[0] for k in _shards(third)} == {finished[0]}
+
+
+@pytest.mark.parametrize(("spec", "chunks"), [("all", None), ("none", set()), ("3", {3}),
+                                              ("15-17, 40", {15, 16, 17, 40})])
+def test_restore_chunks_are_parsed(spec, chunks):
+    assert corpus.parse_chunks(spec) == chunks
+
+
+@pytest.mark.parametrize("spec", ["some", "4-2", "1-x", "-3"])
+def test_bad_restore_chunks_are_refused(spec, tmp_path):
+    with pytest.raises(ValueError, match="--restore-chunks"):
+        Corpus(CorpusConfig(tmp_path, restore_chunks=spec))
+
+
 def test_an_archive_refuses_other_settings_and_a_changed_prompt_file(target, tmp_path):
     import gzip
 

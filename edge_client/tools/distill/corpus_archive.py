@@ -152,20 +152,28 @@ class _Labeller:
 
 def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path | None = None,
             batch_size: int = 8, time_left=None, progress: bool = True,
-            labeller=None, labels: str = LABELS) -> dict:
-    """Writes back into ``out`` every archived chunk and shard that ``out`` lacks, the top-k
-    labelled again by ``labeller(samples) -> samples`` (named ``labels`` in the manifest;
-    default: the built-in target). Updates ``manifest`` (the caller saves it) and returns what
-    it restored. Stops between shards when ``time_left(seconds)`` says no."""
+            labeller=None, labels: str = LABELS, chunks: set[int] | None = None) -> dict:
+    """Writes back into ``out`` every archived chunk (prompt file and manifest entry) and the
+    shards that ``out`` lacks, the top-k labelled again by ``labeller(samples) -> samples``
+    (named ``labels`` in the manifest; default: the built-in target). ``chunks``: the finished
+    chunks whose shards to label (None: all); an unfinished chunk's shards always come back, as
+    its next shard follows them. Updates ``manifest`` (the caller saves it) and returns what it
+    restored. Stops between shards when ``time_left(seconds)`` says no."""
     from edge_client.tools.distill.data import record_shard
     from edge_client.tools.distill.magpie import progress_bar
 
-    chunks = [c for c in sorted(archive.glob("chunk-*")) if (c / "chunk.json").exists()]
-    todo = [(c, s) for c in chunks for s in sorted(c.glob("shard-*.npz"))
+    metas = {c: json.loads((c / "chunk.json").read_text())
+             for c in sorted(archive.glob("chunk-*")) if (c / "chunk.json").exists()}
+
+    def wanted(adir: Path) -> bool:
+        return (chunks is None or not metas[adir]["entry"].get("done")
+                or int(adir.name.split("-")[1]) in chunks)
+
+    todo = [(c, s) for c in metas if wanted(c) for s in sorted(c.glob("shard-*.npz"))
             if not (out / c.name / "data" / s.name).exists()]
-    done = {"shards": 0, "tokens": 0, "seconds": 0.0, "left": len(todo)}
-    for adir in chunks:
-        meta = json.loads((adir / "chunk.json").read_text())
+    done = {"shards": 0, "tokens": 0, "seconds": 0.0, "left": len(todo),
+            "unlabelled_chunks": sum(not wanted(c) for c in metas)}
+    for adir, meta in metas.items():
         cdir = out / adir.name
         prompts = cdir / "data-prompts.jsonl"
         if not prompts.exists():
@@ -175,7 +183,9 @@ def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path |
                 raise ValueError(f"{adir}: the archived prompt file does not match its digest")
             _atomic(prompts, lambda p, b=raw: p.write_bytes(b))
         if adir.name not in manifest["chunks"]:
-            manifest["chunks"][adir.name] = {**meta["entry"], "restored": {"labels": labels}}
+            # labels None: its ids only, for the dedup and the counts (not trainable here)
+            manifest["chunks"][adir.name] = {**meta["entry"], "restored": {
+                "labels": labels if wanted(adir) else None}}
     if not todo:
         return done
     labeller = labeller or _Labeller(target, top_k, batch_size)
@@ -198,7 +208,7 @@ def restore(archive: Path, out: Path, manifest: dict, top_k: int, target: Path |
             record_shard(data, shard.name, len(samples), tokens, last_s,
                          engine=f"{engine}, labels {labels} (restored)")
             entry = manifest["chunks"][adir.name]
-            entry.setdefault("restored", {"labels": labels})
+            entry.setdefault("restored", {})["labels"] = labels
             entry["restored"]["shards"] = entry["restored"].get("shards", 0) + 1
             entry["restored"]["seconds"] = round(entry["restored"].get("seconds", 0) + last_s, 1)
             done["shards"] += 1

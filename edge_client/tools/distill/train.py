@@ -203,8 +203,10 @@ def train(cfg: TrainConfig) -> dict:
     run_json = run / "run.json"
 
     data_dirs = as_dirs(cfg.data)
-    if not any(list_shards(d) for d in data_dirs):
-        raise RuntimeError(f"no shards in {', '.join(map(str, data_dirs))}; run gen-data first")
+    empty = [str(d) for d in data_dirs if not list_shards(d)]
+    if empty:  # e.g. a corpus chunk restored as ids only: training on less would go unseen
+        raise RuntimeError(f"no shards in {', '.join(empty)}; run gen-data first (or, for a "
+                           f"corpus chunk restored as ids only, corpus --restore-chunks N)")
     init_weights = None
     if run_json.exists():
         saved = json.loads(run_json.read_text())

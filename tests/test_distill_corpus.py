@@ -140,6 +140,39 @@ def test_a_chunk_from_before_the_mix_resumes_with_the_legacy_mix(target, tmp_pat
     assert sorted(set(kinds)) == ["ime", "magpie"] and kinds.count("magpie") <= 2
 
 
+def test_an_unfinished_chunk_in_another_dtype_waits_and_the_next_chunks_go_on(
+        target, tmp_path, monkeypatch):
+    """A chunk keeps its dtype: a run in another one (here a chunk marked bfloat16, the
+    built-in engine's float32 run) leaves its missing shards alone, names it, and writes the
+    chunks after it, whose prompts still skip the waiting chunk's (the next chunk drawn with
+    the waiting one's seed: every prompt a duplicate)."""
+    out = tmp_path / "c"
+    cut = Corpus(_cfg(target, out, 80))
+    calls = []
+    cut.time_left = lambda seconds: calls.append(seconds) or len(calls) <= 7
+    cut.run()
+    man = json.loads((out / "corpus.json").read_text())
+    waiting = next(n for n, e in man["chunks"].items() if not e["done"])
+    man["chunks"][waiting]["dtype"] = "bfloat16"
+    (out / "corpus.json").write_text(json.dumps(man))
+    before = {k: v[0].gen_ids.tolist() for k, v in _shards(out).items()}
+    twin = int(waiting.split("-")[1]) + 1
+    seeds = corpus.chunk_seed
+    monkeypatch.setattr(corpus, "chunk_seed", lambda seed, chunk: seeds(
+        seed, chunk - 1 if chunk == twin else chunk))
+
+    summary = Corpus(_cfg(target, out, 80)).run()
+    assert summary["skipped_chunks"] == [waiting] and summary["this_run_tokens"] > 0
+    after = _shards(out)
+    assert {k: v[0].gen_ids.tolist() for k, v in after.items()
+            if k.startswith(waiting)} == {k: v for k, v in before.items()
+                                          if k.startswith(waiting)}
+    man = json.loads((out / "corpus.json").read_text())
+    assert man["chunks"][corpus._CHUNK.format(twin)]["data_prompts"] == 0
+    assert man["chunks"][corpus._CHUNK.format(twin)]["cross_chunk_duplicates"] > 0
+    assert any(k.split("/")[0] > corpus._CHUNK.format(twin) for k in after)
+
+
 def test_other_data_settings_into_the_same_out_are_refused(target, tmp_path):
     out = tmp_path / "c"
     Corpus(_cfg(target, out, 10))

@@ -164,6 +164,7 @@ class Corpus:
         self.writer = None  # a running VllmWriter, started on first need
         self.writer_dtype = None
         self.seen: set[str] = set()
+        self.skipped: list[str] = []  # unfinished chunks in a dtype other than this run's
         self.last_prompts_s = 0.0
         self.restore_chunks = parse_chunks(cfg.restore_chunks)
         self.archive = Path(cfg.archive) if cfg.archive is not None else None
@@ -212,7 +213,8 @@ class Corpus:
                    "this_run_tokens": made, "this_run_s": round(dt, 1),
                    "this_run_tokens_per_s": round(made / dt, 1) if dt > 0 else None,
                    "eta_h": round(left / (made / dt) / 3600, 1) if made and left else None,
-                   "finished": left == 0, "restored": restored}
+                   "finished": left == 0, "restored": restored,
+                   "skipped_chunks": self.skipped}
         self.manifest["last_run"] = {**summary, "host": self.host}
         self._save()
         return summary
@@ -300,9 +302,19 @@ class Corpus:
             self.manifest["chunks"][name] = entry
             self._save()
         dtype, seed = entry["dtype"], entry["seed"]
+        dp = cdir / "data-prompts.jsonl"
+        run_dtype = self.writer_dtype or resolve_dtype(cfg.dtype, cfg.engine, self.host)
+        if dp.exists() and dtype != run_dtype:
+            # A chunk keeps its dtype, and bfloat16 without bfloat16 units runs at a crawl: its
+            # rest waits for a run in its dtype; its prompts still count for the dedup.
+            log.warning("%s was started in %s; this run writes %s: its other shards are left "
+                        "for a run with --dtype %s on a host that has it", name, dtype,
+                        run_dtype, dtype)
+            self.seen |= _keys(dp)
+            self.skipped.append(name)
+            return True
         writer = self._writer(dtype)
 
-        dp = cdir / "data-prompts.jsonl"
         if not dp.exists():
             if not self.time_left(self.last_prompts_s):
                 return False

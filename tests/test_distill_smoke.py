@@ -8,6 +8,7 @@ same weights as one uninterrupted run.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -372,3 +373,41 @@ def test_read_shard_gives_each_sample_its_own_arrays(data):
         for arr in (s.prompt_ids, s.gen_ids, s.topk_ids, s.topk_logp):
             assert arr.base is None, "a view into the shard's array"
     assert len(samples[0].topk_logp) == len(samples[0].gen_ids)
+
+
+def test_an_archives_ids_train_as_one_hot_labels_beside_top_k_rows(data, tmp_path):
+    """A corpus archive's shard (ids only) reads as one-hot labels: on a greedy row they are
+    the target's recorded top-1; a batch mixes them with top-k rows (k padded with p = 0) and
+    a run trains on both kinds of directory, where the one-hot loss is -log q(y) + w (1 - q(y))."""
+    import torch
+
+    from edge_client.tools.distill.corpus_archive import _write_ids
+    from edge_client.tools.distill.train import distill_loss, make_batch
+
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    for shard in list_shards(data["train"]):
+        _write_ids(shard, ids_dir / shard.name)
+    soft, hard = (load_samples(list_shards(d)) for d in (data["train"], ids_dir))
+    assert len(soft) == len(hard) > 0
+    for a, b in zip(soft, hard, strict=True):
+        assert np.array_equal(a.prompt_ids, b.prompt_ids) and a.sampled == b.sampled
+        assert np.array_equal(b.topk_ids[:, 0], b.gen_ids) and not b.topk_logp.any()
+        if not a.sampled:
+            assert np.array_equal(a.topk_ids[:, 0], b.topk_ids[:, 0])
+    vocab = int(max(s.topk_ids.max() for s in soft + hard)) + 2
+    batch = make_batch([soft[0], hard[0]], np.arange(vocab), unk=vocab - 1, max_len=64)
+    assert batch.teacher_ids.shape[1] == soft[0].topk_ids.shape[1]
+    assert torch.allclose(batch.teacher_p.sum(-1), torch.ones(len(batch.rows)), atol=1e-5)
+    one_hot = batch.teacher_p[len(soft[0].gen_ids):]
+    assert (one_hot[:, 0] == 1).all() and (one_hot[:, 1:] == 0).all()
+    logits = torch.randn(len(one_hot), vocab)
+    y = batch.teacher_ids[len(soft[0].gen_ids):, 0]
+    q_y = torch.softmax(logits, -1).gather(1, y[:, None])[:, 0]
+    loss, _, _ = distill_loss(logits, batch.teacher_ids[len(soft[0].gen_ids):], one_hot, 0.5)
+    assert torch.isclose(loss, (-q_y.log() + 0.5 * (1 - q_y)).mean(), atol=1e-5)
+
+    run = tmp_path / "run"
+    train(replace(_train_cfg(data, run, steps=2), data=[data["train"], ids_dir]))
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(math.isfinite(r["loss"]) for r in records if "loss" in r)

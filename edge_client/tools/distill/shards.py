@@ -1,5 +1,6 @@
 """What ``gen-data`` writes and ``train``, ``eval`` and ``export`` read: one
-``shard-NNNNN.npz`` per group of prompts, with the target's top-k at every generated token."""
+``shard-NNNNN.npz`` per group of prompts, with the target's top-k at every generated token
+(or, in a corpus archive's shard, the tokens alone: ``read_shard`` labels them one-hot)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,14 @@ def read_shard(path: Path) -> list[Sample]:
     # copy per sample (13.6 GB of RSS for 847k tokens before this).
     with np.load(path) as z:
         a = {k: z[k] for k in z.files}
+    if "topk_ids" not in a:
+        # A corpus archive's shard (corpus_archive): ids only. Each token is its own label,
+        # one-hot: the target's top-1 on a greedy row, its draw at the corpus's temperature on
+        # a sampled one. So `train --data corpus_ids/chunk-NNNN` needs no labelling pass.
+        for k in ("prompt_ids", "gen_ids"):
+            a[k] = a[k].astype(np.int32)
+        a["topk_ids"] = a["gen_ids"][:, None]
+        a["topk_logp"] = np.zeros((len(a["gen_ids"]), 1), np.float16)
     po, go = a["prompt_offsets"], a["gen_offsets"]
     features, prompt_features = a.get("features"), a.get("prompt_features")
     out = []

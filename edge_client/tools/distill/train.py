@@ -115,6 +115,11 @@ def make_batch(samples: Sequence[Sample], full_to_sub: np.ndarray, unk: int,
         ids[b, : len(s)] = s
         mask[b, : len(s)] = 1
     rows_arr = np.concatenate(rows)
+    # Rows with top-64 and one-hot rows (an archive's ids) may share a batch: pad k with p = 0,
+    # which distill_loss counts as no mass.
+    k = max(t.shape[1] for t in t_ids)
+    t_ids = [np.pad(t, ((0, 0), (0, k - t.shape[1]))) for t in t_ids]
+    t_p = [np.pad(t, ((0, 0), (0, k - t.shape[1]))) for t in t_p]
     return Batch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(rows_arr),
                  torch.from_numpy(np.concatenate(t_ids)), torch.from_numpy(np.concatenate(t_p)),
                  int(mask.sum()))

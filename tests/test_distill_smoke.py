@@ -375,7 +375,8 @@ def test_read_shard_gives_each_sample_its_own_arrays(data):
     assert len(samples[0].topk_logp) == len(samples[0].gen_ids)
 
 
-def test_an_archives_ids_train_as_one_hot_labels_beside_top_k_rows(data, tmp_path):
+def test_an_archives_ids_train_as_one_hot_labels_beside_top_k_rows(data, tmp_path,
+                                                                   monkeypatch):
     """A corpus archive's shard (ids only) reads as one-hot labels: on a greedy row they are
     the target's recorded top-1; a batch mixes them with top-k rows (k padded with p = 0) and
     a run trains on both kinds of directory, where the one-hot loss is -log q(y) + w (1 - q(y))."""
@@ -408,6 +409,7 @@ def test_an_archives_ids_train_as_one_hot_labels_beside_top_k_rows(data, tmp_pat
     assert torch.isclose(loss, (-q_y.log() + 0.5 * (1 - q_y)).mean(), atol=1e-5)
 
     run = tmp_path / "run"
-    train(replace(_train_cfg(data, run, steps=2), data=[data["train"], ids_dir]))
+    monkeypatch.chdir(tmp_path)  # a relative --data, as on a command line
+    train(replace(_train_cfg(data, run, steps=2), data=[data["train"], Path("ids")]))
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert records and all(math.isfinite(r["loss"]) for r in records if "loss" in r)

@@ -207,7 +207,8 @@ def train(cfg: TrainConfig) -> dict:
     ckpt_path = run / "ckpt.pt"
     run_json = run / "run.json"
 
-    data_dirs = as_dirs(cfg.data)
+    # absolute: the epoch's shard list is joined onto data_dirs[0] (see epoch_data)
+    data_dirs = [d.resolve() for d in as_dirs(cfg.data)]
     empty = [str(d) for d in data_dirs if not list_shards(d)]
     if empty:  # e.g. a corpus chunk restored as ids only: training on less would go unseen
         raise RuntimeError(f"no shards in {', '.join(empty)}; run gen-data first (or, for a "

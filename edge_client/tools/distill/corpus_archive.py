@@ -19,7 +19,9 @@ arrays less the top-k). Every file is written atomically and only once it is com
 Restoring writes the chunk's prompt file back byte for byte (checked against its digest) and
 each shard with the top-k that the labeller computes over prompt + continuation; ``gen-data``
 then goes on with the chunk's next shard as if it had
-never stopped. The manifest says which shards were labelled again and by what.
+never stopped. The manifest says which shards were labelled again and by what; ``chunks``
+limits the labelling to what a run needs. ``train`` also reads an archived shard as it is,
+each token its own one-hot label (``shards.read_shard``), with no labelling at all.
 """
 
 from __future__ import annotations

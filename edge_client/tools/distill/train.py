@@ -211,8 +211,9 @@ def train(cfg: TrainConfig) -> dict:
     data_dirs = [d.resolve() for d in as_dirs(cfg.data)]
     empty = [str(d) for d in data_dirs if not list_shards(d)]
     if empty:  # e.g. a corpus chunk restored as ids only: training on less would go unseen
-        raise RuntimeError(f"no shards in {', '.join(empty)}; run gen-data first (or, for a "
-                           f"corpus chunk restored as ids only, corpus --restore-chunks N)")
+        raise RuntimeError(f"no shards in {', '.join(empty)}; run gen-data first (for a corpus "
+                           f"chunk restored as ids only: corpus --restore-chunks N, or --data "
+                           f"its archive dir, corpus_ids/chunk-NNNN, as one-hot labels)")
     init_weights = None
     if run_json.exists():
         saved = json.loads(run_json.read_text())
